@@ -1,0 +1,191 @@
+"""``torch.ops.adaptiveload.adaln_modulate``: LayerNorm followed by adaptive modulation, as one op.
+
+    y = (LayerNorm(x) * (1 + scale) + shift).to(out_dtype)
+
+Registrations, in one place: the schema (``torch.library.custom_op``), input validation, the fake
+kernel (symbolic shapes), the autograd formula (through ``adaptiveload::adaln_modulate_backward``),
+the CPU implementation (``reference.py``) and the CUDA implementation (the ``csrc/`` kernels,
+falling back to the reference with one warning when they cannot be built).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from adaptiveload.ops import reference
+
+# Modulation layouts, as classified by :func:`modulation_layout`.
+PER_SAMPLE = "per-sample"  # [B, 1, ..., 1, D] (also [B, D] for 2-D x): one row per sample
+PER_TOKEN = "per-token"  # [B or 1, N..., D]: one row per token
+SHARED = "shared"  # [D] or [1, ..., 1, D]: one row for everything
+
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _describe(name: str, t: Tensor) -> str:
+    return f"{name} (shape {list(t.shape)}, dtype {t.dtype})"
+
+
+def modulation_layout(mod_shape, x_shape) -> str:
+    """Classify how a modulation tensor of ``mod_shape`` broadcasts over ``x_shape`` ([B, ..., D]).
+
+    Returns one of ``"per-sample"``, ``"per-token"``, ``"shared"``.
+
+    Raises:
+        ValueError: the modulation does not broadcast to ``x_shape`` in one of those three ways
+            (wrong last dim, more dims than x, a batch dim other than 1 or B, or middle dims that
+            are neither all 1 nor all equal to x's).
+    """
+    mod_shape, x_shape = list(mod_shape), list(x_shape)
+    if len(mod_shape) > len(x_shape) or len(mod_shape) == 0 or mod_shape[-1] != x_shape[-1]:
+        raise ValueError(f"shape {mod_shape} does not broadcast over x of shape {x_shape}")
+    padded = [1] * (len(x_shape) - len(mod_shape)) + mod_shape
+    batch, middle, x_middle = padded[0], padded[1:-1], x_shape[1:-1]
+    if len(x_shape) == 2:  # [B, D]: a row per sample is a row per token
+        if batch == 1:
+            return SHARED if x_shape[0] != 1 else PER_SAMPLE
+        if batch == x_shape[0]:
+            return PER_SAMPLE
+    elif batch in (1, x_shape[0]):
+        if all(m == 1 for m in middle):
+            return SHARED if batch == 1 and x_shape[0] != 1 else PER_SAMPLE
+        if middle == x_middle:
+            return PER_TOKEN
+    raise ValueError(
+        f"shape {mod_shape} is not a supported modulation layout for x of shape {x_shape}: expected "
+        f"[B, 1, ..., 1, D] (per-sample), [B or 1, {', '.join(map(str, x_middle)) or 'N'}, D] (per-token) "
+        f"or [D] (shared)"
+    )
+
+
+def check_inputs(
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    scale: Tensor,
+    shift: Optional[Tensor],
+    out_dtype: torch.dtype,
+) -> None:
+    """Validate the op's inputs; raise ``ValueError`` naming the offending tensor and its shape."""
+    if x.dim() < 2:
+        raise ValueError(f"adaln_modulate: {_describe('x', x)} must have at least 2 dims [B, ..., D]")
+    if out_dtype not in _FLOATING:
+        raise ValueError(f"adaln_modulate: out_dtype must be a floating dtype, got {out_dtype}")
+    D = x.shape[-1]
+    named = {"x": x, "weight": weight, "bias": bias, "scale": scale, "shift": shift}
+    for name, t in named.items():
+        if t is not None and t.dtype not in _FLOATING:
+            raise ValueError(f"adaln_modulate: {_describe(name, t)} must be floating point")
+    for name in ("weight", "bias"):
+        t = named[name]
+        if t is not None and list(t.shape) != [D]:
+            raise ValueError(f"adaln_modulate: {_describe(name, t)} must have shape [{D}] (the last dim of x)")
+    for name in ("scale", "shift"):
+        t = named[name]
+        if t is None:
+            continue
+        try:
+            modulation_layout(t.shape, x.shape)
+        except ValueError as err:
+            raise ValueError(f"adaln_modulate: {_describe(name, t)}: {err}") from None
+
+
+@torch.library.custom_op("adaptiveload::adaln_modulate", mutates_args=())
+def adaln_modulate(
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    scale: Tensor,
+    shift: Optional[Tensor],
+    eps: float,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused ``LayerNorm(x) * (1 + scale) + shift``, cast to ``out_dtype``.
+
+    Args:
+        x: [B, ..., D] float16/bfloat16/float32/float64; the first dim is the modulation batch.
+        weight, bias: optional LayerNorm affine parameters, [D].
+        scale: modulation, broadcast over x per-sample ([B, 1, D]), per-token ([B, N, D]) or shared
+            ([D], [1, 1, D]); strided views (a ``.chunk()`` of a [B, k*D] embedding) are fine.
+        shift: optional, same layouts as ``scale`` (each may have its own).
+        eps: LayerNorm epsilon.
+        out_dtype: dtype of ``y`` (the dtype the replaced chain produced).
+
+    Returns:
+        ``(y, mean, rstd)``: y [*x.shape] in ``out_dtype``; mean and rstd [*x.shape[:-1]] in float32
+        (float64 for float64 inputs), the per-row statistics saved for backward.
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit (the message names the tensor and its shape).
+    """
+    check_inputs(x, weight, bias, scale, shift, out_dtype)
+    return reference.forward(x, weight, bias, scale, shift, eps, out_dtype)
+
+
+@adaln_modulate.register_fake
+def _adaln_modulate_fake(x, weight, bias, scale, shift, eps, out_dtype):
+    check_inputs(x, weight, bias, scale, shift, out_dtype)
+    stat_dtype = reference.compute_dtype(x, weight, bias, scale, shift)
+    y = x.new_empty(x.shape, dtype=out_dtype)
+    return y, x.new_empty(x.shape[:-1], dtype=stat_dtype), x.new_empty(x.shape[:-1], dtype=stat_dtype)
+
+
+def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
+    """Custom ops cannot return None: an absent gradient travels as an empty tensor."""
+    return like.new_empty((0,)) if t is None else t
+
+
+@torch.library.custom_op("adaptiveload::adaln_modulate_backward", mutates_args=())
+def adaln_modulate_backward(
+    dy: Tensor,
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    scale: Tensor,
+    shift: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`adaln_modulate` from dy [*x.shape] and the saved per-row mean/rstd.
+
+    Returns ``(dx, dweight, dbias, dscale, dshift)`` in each input's own shape and dtype; the
+    gradient of an absent weight/bias/shift is an empty tensor of shape [0].
+    """
+    grads = reference.backward(dy, x, weight, bias, scale, shift, mean, rstd)
+    return tuple(_or_empty(g, x) for g in grads)
+
+
+@adaln_modulate_backward.register_fake
+def _adaln_modulate_backward_fake(dy, x, weight, bias, scale, shift, mean, rstd):
+    def like(t):
+        return x.new_empty((0,)) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    return torch.empty_like(x, memory_format=torch.contiguous_format), like(weight), like(bias), like(scale), like(shift)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, scale, shift, _eps, _out_dtype = inputs
+    _y, mean, rstd = output
+    ctx.save_for_backward(x, weight, bias, scale, shift, mean, rstd)
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, weight, bias, scale, shift, mean, rstd = ctx.saved_tensors
+    dx, dweight, dbias, dscale, dshift = torch.ops.adaptiveload.adaln_modulate_backward(
+        dy, x, weight, bias, scale, shift, mean, rstd
+    )
+    return (
+        dx,
+        None if weight is None else dweight,
+        None if bias is None else dbias,
+        dscale,
+        None if shift is None else dshift,
+        None,
+        None,
+    )
+
+
+adaln_modulate.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,96 @@
+"""Plain-PyTorch reference math of the fused LayerNorm->modulate op (the CPU implementation).
+
+    y = (x_hat * weight + bias) * (1 + scale) + shift,   x_hat = (x - mean) * rstd   (per row of D)
+
+Statistics and arithmetic run in float32 (float64 when any input is float64, so gradcheck is
+meaningful); the output is cast once to the requested dtype. The backward formulas are the ones
+the CUDA kernels implement (see ``csrc/``):
+
+* dshift  = sum of dy over the dims where shift broadcasts
+* dscale  = sum of dy * (x_hat * w + b) over the dims where scale broadcasts
+* dweight = sum over all rows of dy * (1 + scale) * x_hat;   dbias = sum of dy * (1 + scale)
+* dx      = rstd * (g - mean_D(g) - x_hat * mean_D(g * x_hat)),   g = dy * (1 + scale) * w
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def compute_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
+    """float64 if any given tensor is float64, else float32."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def _normalize(x: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    xf = x.to(dtype)
+    mean = xf.mean(dim=-1, keepdim=True)
+    var = (xf - mean).square().mean(dim=-1, keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    return (xf - mean) * rstd, mean.squeeze(-1), rstd.squeeze(-1)
+
+
+def _affine(x_hat: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
+    n = x_hat
+    if weight is not None:
+        n = n * weight.to(x_hat.dtype)
+    if bias is not None:
+        n = n + bias.to(x_hat.dtype)
+    return n
+
+
+def forward(
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    scale: Tensor,
+    shift: Optional[Tensor],
+    eps: float,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Reference forward. Returns ``(y, mean, rstd)``: y [*x.shape] in ``out_dtype`` (contiguous),
+    mean and rstd [*x.shape[:-1]] in the compute dtype (float32, or float64 for float64 inputs)."""
+    ct = compute_dtype(x, weight, bias, scale, shift)
+    x_hat, mean, rstd = _normalize(x, eps, ct)
+    y = _affine(x_hat, weight, bias) * (1 + scale.to(ct))
+    if shift is not None:
+        y = y + shift.to(ct)
+    return y.to(out_dtype).contiguous(), mean.contiguous(), rstd.contiguous()
+
+
+def backward(
+    dy: Tensor,
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    scale: Tensor,
+    shift: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor, Optional[Tensor]]:
+    """Reference backward from the saved per-row ``mean``/``rstd``.
+
+    Returns ``(dx, dweight, dbias, dscale, dshift)``, each in its input's own shape and dtype
+    (modulation gradients summed over the dims where the modulation broadcasts); the gradient of
+    an absent input is None.
+    """
+    ct = compute_dtype(x, weight, bias, scale, shift)
+    x_hat = (x.to(ct) - mean.to(ct).unsqueeze(-1)) * rstd.to(ct).unsqueeze(-1)
+    dyf = dy.to(ct)
+    n = _affine(x_hat, weight, bias)
+    # copy=True: for per-token shift the sum is dy itself, and an op output must not alias an input
+    dshift = None if shift is None else dyf.sum_to_size(shift.shape).to(shift.dtype, copy=True)
+    dscale = (dyf * n).sum_to_size(scale.shape).to(scale.dtype)
+    dn = dyf * (1 + scale.to(ct))
+    row_dims = tuple(range(x.dim() - 1))
+    dweight = None if weight is None else (dn * x_hat).sum(dim=row_dims).to(weight.dtype)
+    dbias = None if bias is None else dn.sum(dim=row_dims).to(bias.dtype)
+    g = dn if weight is None else dn * weight.to(ct)
+    dx = rstd.to(ct).unsqueeze(-1) * (
+        g - g.mean(dim=-1, keepdim=True) - x_hat * (g * x_hat).mean(dim=-1, keepdim=True)
+    )
+    return dx.to(x.dtype), dweight, dbias, dscale, dshift
