@@ -1,0 +1,378 @@
+"""The LayerNorm→modulate chains the pass recognises (pattern) and the rules that decide whether
+one may be fused (check).
+
+Pattern: each variant family has one named matcher ``match_*(value, user)``: ``value`` holds the
+normalised tensor (the norm's output, or a dtype cast of it) and ``user`` is one of its users. A
+matcher returns a :class:`Chain` when the nodes from ``user`` on have the family's shape, None
+otherwise. Matchers only look at graph structure; they never mutate anything.
+
+* :func:`match_mul_add`         ``norm * (1 + scale) [+ shift]`` (also ``(scale + 1)``, either operand order)
+* :func:`match_addcmul`         ``torch.addcmul(shift, norm, 1 + scale)``
+* :func:`match_norm_plus_scaled` ``norm + norm * scale [+ shift]``
+* :func:`match_unscaled`        ``norm * scale [+ shift]`` with no ``1 +``: reported, never fused
+
+Each form may be written with operators, ``torch.mul/add``, Tensor methods (``.mul``, ``.add``) or
+aten overloads; a trailing dtype cast (Wan's ``.type_as(x)``) that is the final node's only user is
+part of the chain.
+
+Check: :func:`check` returns a :class:`Verdict` whose ``reason`` says why a chain is left alone, or
+None when the fused op provably computes what the chain computed (shapes, dtypes and devices from
+the graph's fake values; the op's own fake kernel run on them as the last word).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch.fx import Node
+
+from adaptiveload.fxfuse.nodes import (
+    NormSite,
+    ParamRef,
+    addcmul_operands,
+    binary_operands,
+    cast_source,
+    device_of,
+    fake_value,
+    is_floating,
+    one_plus_operand,
+    static_dims,
+    strip_exact_casts,
+    view_source,
+)
+from adaptiveload.ops import modulation_layout
+
+FUSED_OP = torch.ops.adaptiveload.adaln_modulate.default
+
+NO_METADATA = "no shape metadata on the graph (a symbolic_trace graph: pass example_inputs to fuse_adaln)"
+RMS_NORM = "RMSNorm, not fused"
+
+
+@dataclass
+class Chain:
+    """A candidate LayerNorm→modulate chain, as found by a matcher.
+
+    Attributes:
+        variant: the family and form, e.g. "norm*(1+scale)+shift", "addcmul", "norm+norm*scale".
+        value: the node holding the normalised tensor that the modulate consumes.
+        nodes: the modulate's nodes in graph order; ``nodes[-1]`` is the final node, whose value the
+            fused op replaces. Every other node must have no user outside ``nodes``.
+        scale, shift: the graph's modulation nodes (shift None for a scale-only chain).
+        scale_view: for ``(1 + scale)[:, None]`` (diffusers' AdaLayerNormContinuous), the view node
+            of ``1 + scale``; the rewrite applies the same view to ``scale``.
+        leftovers: nodes the chain reads that may die with it but may also be shared (``1 + scale``).
+        rejection: a reason fixed by the pattern itself (the chain can never be fused).
+        site: the norm the chain starts from (set by the caller).
+    """
+
+    variant: str
+    value: Node
+    nodes: list[Node]
+    scale: Node
+    shift: Optional[Node]
+    leftovers: list[Node] = field(default_factory=list)
+    rejection: Optional[str] = None
+    site: Optional[NormSite] = None
+    scale_view: Optional[Node] = None
+
+    @property
+    def final(self) -> Node:
+        return self.nodes[-1]
+
+
+def _other(ops: Optional[tuple], value: Node) -> Any:
+    """The operand of a binary node that is not ``value`` (None if ``value`` is not an operand)."""
+    if ops is None:
+        return None
+    a, b = ops
+    if a is value and b is not value:
+        return b
+    if b is value and a is not value:
+        return a
+    return None
+
+
+def _shift_step(node: Node) -> Optional[tuple[Node, Node]]:
+    """``(add, shift)`` for the first user of ``node`` that adds a tensor ``shift`` to it."""
+    for user in node.users:
+        shift = _other(binary_operands(user, "add"), node)
+        if isinstance(shift, Node):
+            return user, shift
+    return None
+
+
+def _with_tail(nodes: list[Node]) -> list[Node]:
+    """Extend ``nodes`` by dtype casts that are each the previous node's only user."""
+    while len(nodes[-1].users) == 1:
+        user = next(iter(nodes[-1].users))
+        if cast_source(user) is not nodes[-1]:
+            break
+        nodes.append(user)
+    return nodes
+
+
+def _finish(variant: str, value: Node, nodes: list[Node], scale: Node, leftovers: list[Node]) -> Chain:
+    step = _shift_step(nodes[-1])
+    shift = None
+    if step is not None:
+        nodes.append(step[0])
+        shift = step[1]
+    suffix = "+shift" if shift is not None else ""
+    return Chain(variant + suffix, value, _with_tail(nodes), scale, shift, leftovers)
+
+
+def _one_plus(factor: Any) -> Optional[tuple[Node, Optional[Node], list[Node]]]:
+    """``(scale, view, nodes)`` when ``factor`` is ``1 + scale`` or a view of it (``(1 + scale)[:, None]``);
+    ``nodes`` are the factor's own nodes (dead once the chain is fused, unless shared)."""
+    scale = one_plus_operand(factor)
+    if scale is not None:
+        return scale, None, [factor]
+    source = view_source(factor)
+    scale = one_plus_operand(source)
+    if scale is not None:
+        return scale, factor, [factor, source]
+    return None
+
+
+def match_mul_add(value: Node, user: Node) -> Optional[Chain]:
+    """``norm * (1 + scale) [+ shift]``: ``user`` multiplies ``value`` by ``1 + scale``."""
+    one_plus = _one_plus(_other(binary_operands(user, "mul"), value))
+    if one_plus is None:
+        return None
+    scale, view, factor_nodes = one_plus
+    chain = _finish("norm*(1+scale)", value, [user], scale, factor_nodes)
+    chain.scale_view = view
+    return chain
+
+
+def match_addcmul(value: Node, user: Node) -> Optional[Chain]:
+    """``torch.addcmul(shift, norm, 1 + scale)`` (tensor1 and tensor2 in either order)."""
+    ops = addcmul_operands(user)
+    if ops is None:
+        return None
+    shift, t1, t2 = ops
+    one_plus = _one_plus(_other((t1, t2), value))
+    if one_plus is None or not isinstance(shift, Node) or shift is value:
+        return None
+    scale, view, factor_nodes = one_plus
+    return Chain("addcmul", value, _with_tail([user]), scale, shift, factor_nodes, scale_view=view)
+
+
+def match_norm_plus_scaled(value: Node, user: Node) -> Optional[Chain]:
+    """``norm + norm * scale [+ shift]``: ``user`` adds ``value`` and ``value * scale``."""
+    product = _other(binary_operands(user, "add"), value)
+    scale = _other(binary_operands(product, "mul"), value)
+    if not isinstance(scale, Node):
+        return None
+    return _finish("norm+norm*scale", value, [product, user], scale, [])
+
+
+def match_unscaled(value: Node, user: Node) -> Optional[Chain]:
+    """``norm * scale [+ shift]`` without ``1 +``: seen and reported, never fused (the op computes
+    ``norm * (1 + scale)``; passing ``scale - 1`` would round differently)."""
+    scale = _other(binary_operands(user, "mul"), value)
+    if not isinstance(scale, Node) or _one_plus(scale) is not None:
+        return None
+    chain = _finish("norm*scale", value, [user], scale, [])
+    chain.rejection = "multiplier is not `1 + scale` (the op computes norm * (1 + scale))"
+    return chain
+
+
+#: Matchers tried, in order, on each user of the normalised tensor.
+MATCHERS: tuple[Callable[[Node, Node], Optional[Chain]], ...] = (
+    match_norm_plus_scaled,
+    match_mul_add,
+    match_addcmul,
+)
+#: Tried only on users no matcher above claimed (so ``norm * scale`` inside ``norm + norm * scale``
+#: is not mistaken for a chain of its own).
+REPORT_ONLY_MATCHERS = (match_unscaled,)
+
+
+# --- check ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    """What :func:`check` decided about a chain.
+
+    Attributes:
+        reason: why the chain is left alone; None when it is fused.
+        layout: modulation layout(s) for the report, e.g. "per-sample" or "scale per-token, shift shared".
+        x: the op's input: the norm's input before exact float32 upcasts.
+        weight, bias: the affine parameters before exact float32 upcasts.
+        absorbed: the upcast nodes passed to reach ``x``/``weight``/``bias`` (may die with the chain).
+        fake_outputs: the op's fake ``(y, mean, rstd)`` computed from the graph's fake values.
+    """
+
+    reason: Optional[str]
+    layout: str = "?"
+    x: Any = None
+    weight: Any = None
+    bias: Any = None
+    absorbed: list[Node] = field(default_factory=list)
+    fake_outputs: Optional[tuple] = None
+
+
+def _describe(name: str, t: torch.Tensor) -> str:
+    return f"{name} (shape {static_dims(t.shape)}, dtype {str(t.dtype).replace('torch.', '')})"
+
+
+def _layout_text(scale_layout: str, shift_layout: Optional[str]) -> str:
+    if shift_layout is None:
+        return f"{scale_layout}, no shift"
+    if shift_layout == scale_layout:
+        return scale_layout
+    return f"scale {scale_layout}, shift {shift_layout}"
+
+
+def _outside_user(chain: Chain) -> Optional[str]:
+    inside = set(chain.nodes)
+    for node in chain.nodes[:-1]:
+        for user in node.users:
+            if user not in inside:
+                return f"intermediate `{node.name}` also feeds `{user.name}` outside the chain"
+    return None
+
+
+def _normalized_dims(shape: Any) -> Optional[list]:
+    """The LayerNorm's normalized_shape as :func:`static_dims`, or None if it is not a constant list
+    of sizes (sizes read from the graph, e.g. ``x.shape[-1:]`` under dynamic shapes, are fine)."""
+    if not isinstance(shape, (list, tuple)):
+        return None
+    dims = []
+    for d in shape:
+        if isinstance(d, Node):
+            d = d.meta.get("val", d.meta.get("example_value"))
+        if not isinstance(d, (int, torch.SymInt)) or isinstance(d, bool):
+            return None
+        dims.append(d)
+    return static_dims(dims)
+
+
+def _param_value(operand: Any, fake_mode) -> Optional[torch.Tensor]:
+    if isinstance(operand, ParamRef):
+        return fake_mode.from_tensor(operand.tensor, static_shapes=True)
+    return fake_value(operand)
+
+
+def _strip(operand: Any, absorbed: list[Node]) -> Any:
+    if not isinstance(operand, Node):
+        return operand
+    stripped, passed = strip_exact_casts(operand)
+    absorbed.extend(passed)
+    return stripped
+
+
+def check(chain: Chain, fake_cache: Optional[dict] = None) -> Verdict:
+    """Decide whether ``chain`` may be replaced by the fused op, before anything is mutated.
+
+    Rejects (with the reason): RMSNorm; a rejection fixed by the pattern; an intermediate node with a
+    user outside the chain; missing fake values; a LayerNorm over more than the last dim; a computed
+    eps; non-floating tensors; weight/bias not [D]; a modulation whose layout is not per-sample,
+    per-token or shared over x (``modulation_layout``); a result whose shape or device is not x's;
+    inputs the op's fake kernel refuses.
+
+    ``fake_cache`` (a dict kept for one pass) lets chains with the same input signature share one
+    run of the op's fake kernel (see :func:`_fake_outputs`).
+    """
+    site = chain.site
+    if site.kind == "RMSNorm":
+        return Verdict(RMS_NORM)
+    if chain.rejection is not None:
+        return Verdict(chain.rejection)
+    reason = _outside_user(chain)
+    if reason is not None:
+        return Verdict(reason)
+
+    absorbed: list[Node] = []
+    x = _strip(site.input, absorbed)
+    weight, bias = _strip(site.weight, absorbed), _strip(site.bias, absorbed)
+    x_val, final_val = fake_value(x), fake_value(chain.final)
+    # a (1 + scale)[:, None] factor: scale as the op will get it has the view's shape and dtype
+    scale_val = fake_value(chain.scale if chain.scale_view is None else chain.scale_view)
+    shift_val = fake_value(chain.shift)
+    fake_mode = getattr(x_val, "fake_mode", None)
+    if fake_mode is None or final_val is None or scale_val is None or (chain.shift is not None and shift_val is None):
+        return Verdict(NO_METADATA)
+    weight_val, bias_val = _param_value(weight, fake_mode), _param_value(bias, fake_mode)
+    verdict = Verdict(None, x=x, weight=weight, bias=bias, absorbed=absorbed)
+
+    x_dims = static_dims(x_val.shape)
+    if not is_floating(x_val) or len(x_dims) < 2:
+        verdict.reason = f"input {_describe('x', x_val)} is not a floating tensor of at least 2 dims"
+        return verdict
+    norm_dims = _normalized_dims(site.normalized_shape)
+    if norm_dims is None:
+        verdict.reason = "normalized_shape is computed in the graph"
+        return verdict
+    if len(norm_dims) != 1 or norm_dims[0] != x_dims[-1]:
+        verdict.reason = f"LayerNorm over the last {len(norm_dims)} dims {norm_dims}, not only the last of x {x_dims}"
+        return verdict
+    if not isinstance(site.eps, (int, float)) or isinstance(site.eps, bool):
+        verdict.reason = "eps is computed in the graph"
+        return verdict
+    for name, val in (("weight", weight_val), ("bias", bias_val)):
+        if val is not None and (not is_floating(val) or static_dims(val.shape) != x_dims[-1:]):
+            verdict.reason = f"LayerNorm {_describe(name, val)} is not a floating [{x_dims[-1]}] tensor"
+            return verdict
+    layouts = {}
+    for name, val in (("scale", scale_val), ("shift", shift_val)):
+        if val is None:
+            continue
+        if not is_floating(val):
+            verdict.reason = f"{_describe(name, val)} is not floating point"
+            return verdict
+        try:
+            layouts[name] = modulation_layout(static_dims(val.shape), x_dims)
+        except ValueError as err:
+            verdict.reason = f"{name}: {err}"
+            return verdict
+    verdict.layout = _layout_text(layouts["scale"], layouts.get("shift"))
+    if not is_floating(final_val) or static_dims(final_val.shape) != x_dims:
+        verdict.reason = f"result {_describe('y', final_val)} does not have the shape of {_describe('x', x_val)}"
+        return verdict
+    devices = {device_of(t) for t in (x_val, final_val, scale_val, shift_val, weight_val, bias_val) if t is not None}
+    if len(devices) != 1:
+        verdict.reason = f"tensors on several devices {sorted(map(str, devices))}"
+        return verdict
+    try:
+        verdict.fake_outputs = _fake_outputs(
+            fake_mode, (x_val, weight_val, bias_val, scale_val, shift_val), float(site.eps), final_val, fake_cache
+        )
+    except (ValueError, RuntimeError) as err:
+        verdict.reason = f"the fused op rejects the inputs: {err}"
+    return verdict
+
+
+def _signature(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    if t is None:
+        return None
+    return tuple(static_dims(t.shape)), tuple(static_dims(t.stride())), t.dtype, device_of(t)
+
+
+def _fake_outputs(fake_mode, inputs: tuple, eps: float, final_val: torch.Tensor, cache: Optional[dict]) -> tuple:
+    """The op's fake ``(y, mean, rstd)`` for these fake inputs.
+
+    The op's fake kernel runs once per distinct input signature (shapes, strides, dtypes, devices,
+    eps, out dtype) -- it validates the inputs and gives the outputs' metadata; a DiT's chains share
+    a handful of signatures, and a fake dispatch costs ~0.2 ms. ``y`` is the replaced node's own fake
+    value when it already has the metadata the kernel gives (the node disappears, so no two live
+    nodes share it); the per-row statistics, which no node reads, are shared between chains of one
+    signature.
+    """
+    key = (tuple(_signature(t) for t in inputs), eps, final_val.dtype)
+    if cache is None or key not in cache:
+        with fake_mode:
+            outputs = FUSED_OP(*inputs, eps, final_val.dtype)
+        if cache is None:
+            return outputs
+        cache[key] = outputs
+    y, mean, rstd = cache[key]
+    if _signature(final_val) == _signature(y):
+        y = final_val
+    else:
+        with fake_mode:
+            y = torch.empty_strided(y.shape, y.stride(), dtype=y.dtype, device=y.device)
+    return y, mean, rstd

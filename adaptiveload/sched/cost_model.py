@@ -1,0 +1,361 @@
+"""Step-time models ``t(B, S)`` fitted to measured training steps, and their fit.
+
+Two families, both affine in the batch size B (``t = intercept(S) + B * per_sample(S)``):
+
+* :class:`PowerCostModel` -- ``t = a + b * B * S^p`` (the dual-constraint paper's ``B*S^p`` cost);
+* :class:`QuadraticCostModel` -- ``t = c0 + c1*B*S + c2*B*S^2`` (linear layers + attention).
+
+Times are in seconds, S in tokens. :func:`fit_cost_model` fits either (or picks the better by
+held-out error) from ``(B, S, t)`` points. On the ANCHORS section 2 Wan-1.3B measurements the power
+fit gives ``p = 1.41 +- 0.04, R^2 = 0.987`` and the quadratic ``R^2 = 0.998``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import OptimizeWarning, curve_fit, nnls
+
+# Range of the power-law exponent p: below 0.5 or above 3 a "fit" is an artefact of too few points
+# (dense layers give p = 1, full attention p = 2).
+P_BOUNDS = (0.5, 3.0)
+# At most this many cross-validation folds (leave-one-out below it).
+MAX_FOLDS = 10
+
+
+@dataclass
+class FitStats:
+    """Quality of a fit. ``cv_rel_rmse``: root-mean-square relative error on held-out points
+    (k-fold, ``k = min(n, 10)``; NaN when there are too few points); ``param_std``: one-sigma
+    uncertainty of each parameter from the fit covariance (NaN when not estimable)."""
+
+    n_points: int
+    r2: float
+    rmse_s: float
+    cv_rel_rmse: float
+    param_std: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "n_points": self.n_points,
+            "r2": _json_float(self.r2),
+            "rmse_s": _json_float(self.rmse_s),
+            "cv_rel_rmse": _json_float(self.cv_rel_rmse),
+            "param_std": {k: _json_float(v) for k, v in self.param_std.items()},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "FitStats":
+        return cls(
+            n_points=int(d["n_points"]),
+            r2=_float(d.get("r2")),
+            rmse_s=_float(d.get("rmse_s")),
+            cv_rel_rmse=_float(d.get("cv_rel_rmse")),
+            param_std={k: _float(v) for k, v in d.get("param_std", {}).items()},
+        )
+
+
+def _json_float(x):
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+def _float(x) -> float:
+    return float("nan") if x is None else float(x)
+
+
+class CostModel(ABC):
+    """A step-time model affine in the batch size: ``t(B, S) = intercept(S) + B * per_sample(S)`` seconds."""
+
+    kind: str
+    fit: FitStats | None
+
+    @abstractmethod
+    def intercept(self, seq_lens) -> np.ndarray:
+        """Per-step fixed time (seconds) at sequence lengths ``seq_lens`` (array [n])."""
+
+    @abstractmethod
+    def per_sample(self, seq_lens) -> np.ndarray:
+        """Time (seconds) each sample of length S adds to a step (array [n])."""
+
+    @abstractmethod
+    def params(self) -> dict:
+        """The model parameters by name (SI units: seconds, tokens)."""
+
+    def predict(self, batch_sizes, seq_lens) -> np.ndarray:
+        """Predicted step time in seconds.
+
+        Args:
+            batch_sizes: int or array [n], samples per batch B.
+            seq_lens: int or array [n], tokens per sample S (broadcast against ``batch_sizes``).
+
+        Returns:
+            float64 array of the broadcast shape, seconds.
+        """
+        b = np.asarray(batch_sizes, dtype=np.float64)
+        s = np.asarray(seq_lens, dtype=np.float64)
+        return self.intercept(s) + b * self.per_sample(s)
+
+    def max_batch_size(self, seq_lens, budget_s: float) -> np.ndarray:
+        """Largest B with ``predict(B, S) <= budget_s`` (may be 0 when one sample exceeds the budget).
+
+        Args:
+            seq_lens: int array [n], tokens.
+            budget_s: step-time budget in seconds; ``inf`` means no compute limit.
+
+        Returns:
+            int64 array [n] (values capped at 2**62 for an infinite budget).
+        """
+        s = np.asarray(seq_lens, dtype=np.float64)
+        if math.isinf(budget_s):
+            return np.full(s.shape, 2**62, dtype=np.int64)
+        room = (budget_s - self.intercept(s)) / self.per_sample(s)
+        return np.clip(np.floor(room), 0, 2**62).astype(np.int64)
+
+    @property
+    def r2(self) -> float:
+        """R^2 of the fit on its own points (NaN for a model not fitted here)."""
+        return self.fit.r2 if self.fit else float("nan")
+
+    def to_json(self) -> dict:
+        """A JSON-serialisable dict: ``{"kind", <params>, "fit": {...} | None}``."""
+        return {"kind": self.kind, **self.params(), "fit": self.fit.to_json() if self.fit else None}
+
+    @staticmethod
+    def from_json(data) -> "CostModel":
+        """Rebuild a model from :meth:`to_json` output (a dict or a JSON string).
+
+        Raises:
+            ValueError: unknown ``kind`` or a missing parameter.
+        """
+        d = json.loads(data) if isinstance(data, str) else dict(data)
+        kinds = {"power": PowerCostModel, "quadratic": QuadraticCostModel}
+        cls = kinds.get(d.get("kind"))
+        if cls is None:
+            raise ValueError(f"cost model: unknown kind {d.get('kind')!r}, expected one of {sorted(kinds)}")
+        names = cls._PARAMS
+        missing = [n for n in names if n not in d]
+        if missing:
+            raise ValueError(f"cost model ({d['kind']}): missing parameter(s) {missing}")
+        fit = FitStats.from_json(d["fit"]) if d.get("fit") else None
+        return cls(*(float(d[n]) for n in names), fit=fit)
+
+    def describe(self) -> str:
+        """One line: formula with fitted values and fit quality."""
+        text = self._formula()
+        if self.fit:
+            parts = [f"R^2 {self.fit.r2:.3f}" if math.isfinite(self.fit.r2) else None,
+                     f"held-out rel. RMSE {self.fit.cv_rel_rmse:.3f}" if math.isfinite(self.fit.cv_rel_rmse) else None,
+                     f"n={self.fit.n_points}"]
+            text += f"  ({', '.join(p for p in parts if p)})"
+        return text
+
+    @abstractmethod
+    def _formula(self) -> str: ...
+
+
+class PowerCostModel(CostModel):
+    """``t = a + b * B * S^p`` seconds (a >= 0, b > 0). ``.p_std``: one-sigma uncertainty of p."""
+
+    kind = "power"
+    _PARAMS = ("a", "b", "p")
+
+    def __init__(self, a: float, b: float, p: float, *, fit: FitStats | None = None):
+        if not (a >= 0 and b > 0 and p > 0):
+            raise ValueError(f"power cost model needs a >= 0, b > 0, p > 0; got a={a}, b={b}, p={p}")
+        self.a, self.b, self.p, self.fit = float(a), float(b), float(p), fit
+
+    def intercept(self, seq_lens):
+        return np.full(np.shape(seq_lens), self.a)
+
+    def per_sample(self, seq_lens):
+        return self.b * np.power(np.asarray(seq_lens, dtype=np.float64), self.p)
+
+    def params(self):
+        return {"a": self.a, "b": self.b, "p": self.p}
+
+    @property
+    def p_std(self) -> float:
+        return self.fit.param_std.get("p", float("nan")) if self.fit else float("nan")
+
+    def m_comp(self, budget_s: float) -> float:
+        """The paper's compute budget ``M_comp = (C - a) / b`` (units of ``S^p``) for a step budget C seconds."""
+        return (budget_s - self.a) / self.b
+
+    def _formula(self):
+        p_std = f" +- {self.p_std:.3f}" if math.isfinite(self.p_std) else ""
+        return f"t = {self.a * 1e3:.3g} ms + {self.b * 1e3:.4g} ms * B * S^({self.p:.3f}{p_std})"
+
+
+class QuadraticCostModel(CostModel):
+    """``t = c0 + c1*B*S + c2*B*S^2`` seconds (all coefficients >= 0)."""
+
+    kind = "quadratic"
+    _PARAMS = ("c0", "c1", "c2")
+
+    def __init__(self, c0: float, c1: float, c2: float, *, fit: FitStats | None = None):
+        if min(c0, c1, c2) < 0 or c1 + c2 <= 0:
+            raise ValueError(f"quadratic cost model needs c0, c1, c2 >= 0 and c1 + c2 > 0; got {c0}, {c1}, {c2}")
+        self.c0, self.c1, self.c2, self.fit = float(c0), float(c1), float(c2), fit
+
+    def intercept(self, seq_lens):
+        return np.full(np.shape(seq_lens), self.c0)
+
+    def per_sample(self, seq_lens):
+        s = np.asarray(seq_lens, dtype=np.float64)
+        return self.c1 * s + self.c2 * s * s
+
+    def params(self):
+        return {"c0": self.c0, "c1": self.c1, "c2": self.c2}
+
+    def _formula(self):
+        return f"t = {self.c0 * 1e3:.4g} ms + {self.c1 * 1e3:.4g} ms * B*S + {self.c2 * 1e3:.4g} ms * B*S^2"
+
+
+# ----------------------------------------------------------------------------------------- fitting
+
+
+def _validate_points(batch_sizes, seq_lens, step_times):
+    b = np.asarray(batch_sizes, dtype=np.float64).reshape(-1)
+    s = np.asarray(seq_lens, dtype=np.float64).reshape(-1)
+    t = np.asarray(step_times, dtype=np.float64).reshape(-1)
+    if not (b.size == s.size == t.size):
+        raise ValueError(f"batch_sizes, seq_lens, step_times must have equal lengths, got {b.size}, {s.size}, {t.size}")
+    for name, v in (("batch_sizes", b), ("seq_lens", s), ("step_times", t)):
+        bad = np.flatnonzero(~(np.isfinite(v) & (v > 0)))
+        if bad.size:
+            raise ValueError(f"{name}[{int(bad[0])}] = {v[bad[0]]!r}: must be a positive finite number")
+    return b, s, t
+
+
+def _fit_power(b, s, t):
+    """Weighted (relative-residual) least squares of ``t = a + beta * B * (S/s0)^p``.
+
+    A grid over p with non-negative least squares for (a, beta) finds the basin, then
+    ``scipy.optimize.curve_fit`` (bounds a >= 0, beta > 0, p in P_BOUNDS) refines and gives the covariance.
+    """
+    s0 = float(np.exp(np.mean(np.log(s))))  # scale S to ~1 so the parameters are well conditioned
+    x = s / s0
+    best = None
+    for p in np.linspace(*P_BOUNDS, 251):
+        design = np.column_stack([np.ones_like(t), b * x**p]) / t[:, None]
+        coef, residual = nnls(design, np.ones_like(t))
+        if best is None or residual < best[0]:
+            best = (residual, coef[0], coef[1], p)
+    _, a0, beta0, p0 = best
+    params, std = np.array([a0, beta0, p0]), np.full(3, np.nan)
+
+    def model(xdata, a, beta, p):
+        return a + beta * xdata[0] * xdata[1] ** p
+
+    scale = float(np.mean(t))
+    start = [max(a0, 1e-6 * scale), max(beta0, 1e-6 * scale), float(np.clip(p0, P_BOUNDS[0] + 1e-6, P_BOUNDS[1] - 1e-6))]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OptimizeWarning)
+            popt, pcov = curve_fit(
+                model, np.vstack([b, x]), t, p0=start, sigma=t,
+                bounds=([0.0, 1e-12 * scale, P_BOUNDS[0]], [np.inf, np.inf, P_BOUNDS[1]]),
+            )
+        if np.sum(((model(np.vstack([b, x]), *popt) - t) / t) ** 2) <= best[0] ** 2 * (1 + 1e-9):
+            params = popt
+            if t.size > 3:
+                std = np.sqrt(np.clip(np.diag(pcov), 0, None))
+    except (RuntimeError, ValueError):  # curve_fit did not converge: keep the grid optimum
+        pass
+    a, beta, p = (float(v) for v in params)
+    b_coef = beta / s0**p
+    p_std = float(std[2])
+    b_std = float(std[1] / s0**p) if math.isfinite(std[1]) else float("nan")
+    return PowerCostModel(a, b_coef, p), {"a": float(std[0]), "b": b_std, "p": p_std}
+
+
+def _fit_quadratic(b, s, t):
+    """Non-negative least squares on relative residuals of ``t = c0 + c1*B*S + c2*B*S^2``."""
+    columns = np.column_stack([np.ones_like(t), b * s, b * s * s])
+    col_scale = columns.max(axis=0)
+    design = columns / col_scale / t[:, None]
+    coef, _ = nnls(design, np.ones_like(t))
+    std = np.full(3, np.nan)
+    dof = t.size - 3
+    if dof > 0:
+        resid = design @ coef - 1.0
+        try:
+            cov = np.linalg.inv(design.T @ design) * float(resid @ resid) / dof
+            std = np.sqrt(np.clip(np.diag(cov), 0, None)) / col_scale
+        except np.linalg.LinAlgError:
+            pass
+    c = coef / col_scale
+    if c[1] + c[2] <= 0:  # degenerate data (time independent of B*S): keep a tiny positive slope
+        c[1] = 1e-12
+    return QuadraticCostModel(*c), dict(zip(("c0", "c1", "c2"), (float(v) for v in std)))
+
+
+_FITTERS = {"power": (_fit_power, 3), "quadratic": (_fit_quadratic, 3)}
+
+
+def _cross_validated_rel_rmse(fitter, n_params, b, s, t) -> float:
+    n = t.size
+    k = min(n, MAX_FOLDS)
+    if n - math.ceil(n / k) < n_params + 1:
+        return float("nan")
+    errors = np.empty(n)
+    folds = np.arange(n) % k
+    for fold in range(k):
+        test = folds == fold
+        model, _ = fitter(b[~test], s[~test], t[~test])
+        errors[test] = (model.predict(b[test], s[test]) - t[test]) / t[test]
+    return float(np.sqrt(np.mean(errors**2)))
+
+
+def fit_cost_model(batch_sizes, seq_lens, step_times, kind: str = "auto") -> CostModel:
+    """Fit a step-time model to measured training steps.
+
+    Args:
+        batch_sizes: array [n], samples per batch B of each measured step.
+        seq_lens: array [n], tokens per sample S.
+        step_times: array [n], measured step time in seconds (median of repeats).
+        kind: ``"power"`` (``t = a + b*B*S^p``, curve_fit with bounds a >= 0, b > 0,
+            p in [0.5, 3]), ``"quadratic"`` (``t = c0 + c1*B*S + c2*B*S^2``, non-negative least
+            squares), or ``"auto"`` (fit both, keep the lower held-out error; ties and too few points
+            for cross-validation fall back to the higher R^2).
+
+    Returns:
+        A :class:`PowerCostModel` or :class:`QuadraticCostModel` whose ``.fit`` holds R^2, RMSE,
+        held-out relative RMSE and parameter uncertainties (``.p_std`` for the power model).
+
+    Raises:
+        ValueError: unequal lengths, a non-positive or non-finite value (named by array and index),
+            fewer than 3 points, or an unknown ``kind``.
+
+    .. note::
+        Residuals are relative (``(pred - t) / t``): timing noise is roughly proportional to step
+        time, and plain least squares would fit the long steps and ignore the short ones.
+    """
+    if kind not in ("auto", *_FITTERS):
+        raise ValueError(f"kind must be 'auto', 'power' or 'quadratic', got {kind!r}")
+    b, s, t = _validate_points(batch_sizes, seq_lens, step_times)
+    if t.size < 3:
+        raise ValueError(f"need at least 3 measured points to fit a cost model, got {t.size}")
+    candidates = []
+    for name in ([kind] if kind != "auto" else list(_FITTERS)):
+        fitter, n_params = _FITTERS[name]
+        model, param_std = fitter(b, s, t)
+        pred = model.predict(b, s)
+        ss_tot = float(np.sum((t - t.mean()) ** 2))
+        r2 = 1.0 - float(np.sum((pred - t) ** 2)) / ss_tot if ss_tot > 0 else float("nan")
+        rmse = float(np.sqrt(np.mean((pred - t) ** 2)))
+        cv = _cross_validated_rel_rmse(fitter, n_params, b, s, t)
+        model.fit = FitStats(int(t.size), r2, rmse, cv, param_std)
+        candidates.append(model)
+    if len(candidates) == 1:
+        return candidates[0]
+
+    def score(m: CostModel):
+        cv = m.fit.cv_rel_rmse
+        return (0, cv) if math.isfinite(cv) else (1, -m.fit.r2 if math.isfinite(m.fit.r2) else 0.0)
+
+    return min(candidates, key=score)

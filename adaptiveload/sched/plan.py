@@ -1,0 +1,326 @@
+"""Planning: choose the memory and compute budgets that maximise predicted tokens/s on a corpus.
+
+The batch-size rule (the sampler's): ``B_k = max(1, min(floor(M_mem / S_k), B_cost(S_k, C)))`` where
+``B_cost`` is the largest B whose predicted step time is ``<= C`` under the calibration's cost model.
+:func:`make_plan` evaluates every budget at which some bucket's batch size changes (the exact
+breakpoints ``C = t(b, S_k)``), for several ``M_mem`` up to the memory limit, and keeps the one with
+the highest predicted throughput for the world size and step policy:
+
+* ``"random"`` (ranks draw batches independently): a step lasts as long as the slowest of W
+  independent draws from the epoch's batch mix, ``E[max] = sum_j c_j (F_j^W - F_{j-1}^W)`` over
+  batch types sorted by cost c_j with cumulative share F_j; tokens/s = ``W * E[tokens] / E[max]``;
+* ``"cost_grouped"`` (W consecutive batches in cost order form a step): the step time is the most
+  expensive batch of each group of W, summed exactly over the sorted batch list.
+
+The equal-token rule (``B = floor(M_mem_limit / S)``, ranks drawing independently) is reported next to
+the plan for comparison.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from adaptiveload.sched.calibration import Calibration
+from adaptiveload.sched.cost_model import CostModel, PowerCostModel
+from adaptiveload.sched.manifest import Manifest
+from adaptiveload.sched.sampler import POLICIES, bucket_tokens, group_buckets
+
+FORMAT = "adaptiveload.plan"
+FORMAT_VERSION = 1
+DEFAULT_SAFETY = 0.9  # plan for 90% of the memory budget (fragmentation, allocator cache)
+M_MEM_CANDIDATES = 8  # memory budgets tried between the longest sample and the memory limit
+MAX_BUDGET_CANDIDATES = 4000  # compute-budget breakpoints evaluated per memory budget (subsampled above)
+
+
+def batch_mix(counts: np.ndarray, batch_sizes: np.ndarray):
+    """Batch types of one epoch: full batches and each bucket's partial last batch.
+
+    Args:
+        counts: int64 [k] samples per bucket; batch_sizes: int64 [k] (0 = bucket dropped).
+
+    Returns:
+        ``(bucket, size, multiplicity)``: int64 arrays [m] of batch types.
+    """
+    b = np.maximum(batch_sizes, 1)
+    full, rest = np.divmod(counts, b)
+    keep = batch_sizes > 0
+    bucket = np.concatenate([np.flatnonzero(keep), np.flatnonzero(keep & (rest > 0))])
+    size = np.concatenate([batch_sizes[keep], rest[keep & (rest > 0)]])
+    mult = np.concatenate([full[keep], np.ones(int(np.sum(keep & (rest > 0))), dtype=np.int64)])
+    nz = mult > 0
+    return bucket[nz], size[nz], mult[nz]
+
+
+def predicted_throughput(cost_model: CostModel, seq_lens, counts, batch_sizes, world_size: int, policy: str) -> dict:
+    """Predicted tokens/s and step time of an epoch with these per-bucket batch sizes.
+
+    Args:
+        cost_model: step-time model (seconds).
+        seq_lens, counts, batch_sizes: int arrays [k] per bucket (batch size 0 = dropped).
+        world_size: W ranks, one batch each per step.
+        policy: ``"random"`` or ``"cost_grouped"`` (formulas in the module docstring).
+
+    Returns:
+        dict with ``tokens_per_s``, ``step_time_s`` (expected step time = slowest rank),
+        ``mean_batch_time_s`` (mean rank time) and ``idle`` (``1 - mean/step``).
+    """
+    bucket, size, mult = batch_mix(np.asarray(counts), np.asarray(batch_sizes))
+    s = np.asarray(seq_lens, dtype=np.float64)[bucket]
+    cost = cost_model.predict(size, s)
+    tokens = size * s
+    order = np.argsort(cost, kind="stable")
+    cost, tokens, mult = cost[order], tokens[order], mult[order].astype(np.float64)
+    total = float(mult.sum())
+    mean_cost = float(np.sum(cost * mult) / total)
+    if policy == "random":
+        cdf = np.cumsum(mult) / total
+        prev = np.concatenate([[0.0], cdf[:-1]])
+        step = float(np.sum(cost * (cdf**world_size - prev**world_size)))
+        tps = world_size * float(np.sum(tokens * mult) / total) / step
+    elif policy == "cost_grouped":
+        end = np.cumsum(mult)
+        start = end - mult
+        tops = np.floor(end / world_size) - np.floor(start / world_size)  # group maxima in each run
+        num_steps = math.ceil(total / world_size)
+        step_sum = float(np.sum(cost * tops)) + (cost[-1] if total % world_size else 0.0)
+        step = step_sum / num_steps
+        tps = float(np.sum(tokens * mult)) / step_sum
+    else:
+        raise ValueError(f"Invalid policy {policy!r}, policy should be one of {POLICIES}")
+    return {"tokens_per_s": tps, "step_time_s": step, "mean_batch_time_s": mean_cost, "idle": 1.0 - mean_cost / step}
+
+
+def rule_batch_sizes(cost_model: CostModel, seq_lens, m_mem: int, step_budget_s: float | None) -> np.ndarray:
+    """The sampler's rule: ``max(1, min(floor(m_mem / S), largest B with t(B, S) <= budget))`` (int64 [k])."""
+    s = np.asarray(seq_lens, dtype=np.int64)
+    b = m_mem // s
+    if step_budget_s is not None:
+        b = np.minimum(b, cost_model.max_batch_size(s, step_budget_s))
+    return np.maximum(1, b).astype(np.int64)
+
+
+@dataclass
+class Plan:
+    """A chosen batch-size rule for a corpus, a calibration and a world size.
+
+    Attributes:
+        world_size, policy: what it was optimised for.
+        m_mem: tokens per batch (memory constraint ``B*S <= m_mem``).
+        m_mem_limit: the largest ``m_mem`` memory allows (from the memory model, or given).
+        step_budget_s: compute constraint, predicted step seconds (``None`` = memory only).
+        cost_model: the calibration's step-time model.
+        buckets: per-bucket rows -- ``key`` (latent shape [T, H, W] or [S]), ``seq_len``,
+            ``num_samples``, ``batch_size``, ``step_time_s`` (predicted, full batch), ``share_of_steps``
+            (fraction of the epoch's batches), and the same for the equal-token rule
+            (``equal_token_batch_size``, ``equal_token_step_time_s``, ``equal_token_share_of_steps``).
+        dropped: rows of buckets dropped as oversized (``key``, ``seq_len``, ``num_samples``).
+        predicted: predicted ``tokens_per_s``, ``step_time_s``, ``idle`` of the plan and of equal-token,
+            and ``speedup``.
+    """
+
+    world_size: int
+    policy: str
+    m_mem: int
+    m_mem_limit: int
+    step_budget_s: float | None
+    cost_model: CostModel
+    buckets: list
+    dropped: list = field(default_factory=list)
+    predicted: dict = field(default_factory=dict)
+    drop_oversized: bool = False
+    patch_size: tuple = (1, 2, 2)
+    source: str = ""
+    date: str = ""
+
+    @property
+    def m_comp(self) -> float | None:
+        """The paper's ``M_comp`` (units of ``S^p``) for a power cost model, else ``None``."""
+        if isinstance(self.cost_model, PowerCostModel) and self.step_budget_s is not None:
+            return self.cost_model.m_comp(self.step_budget_s)
+        return None
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": FORMAT_VERSION, "date": self.date, "source": self.source,
+                "world_size": self.world_size, "policy": self.policy, "m_mem": self.m_mem,
+                "m_mem_limit": self.m_mem_limit, "step_budget_s": self.step_budget_s, "m_comp": self.m_comp,
+                "drop_oversized": self.drop_oversized, "patch_size": list(self.patch_size),
+                "cost_model": self.cost_model.to_json(), "predicted": self.predicted,
+                "buckets": self.buckets, "dropped": self.dropped}
+
+    def save(self, path) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_json(), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def from_json(cls, d: dict, *, where: str = "plan") -> "Plan":
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError(f"{where}: not an adaptiveload plan (field 'format' must be {FORMAT!r})")
+        if d.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{where}: plan format version {d.get('version')!r} is not supported (expected {FORMAT_VERSION})")
+        for key in ("world_size", "policy", "m_mem", "step_budget_s", "cost_model", "buckets"):
+            if key not in d:
+                raise ValueError(f"{where}: missing field '{key}'")
+        try:
+            cost = CostModel.from_json(d["cost_model"])
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        return cls(int(d["world_size"]), d["policy"], int(d["m_mem"]), int(d.get("m_mem_limit", d["m_mem"])),
+                   None if d["step_budget_s"] is None else float(d["step_budget_s"]), cost, list(d["buckets"]),
+                   list(d.get("dropped", [])), dict(d.get("predicted", {})), bool(d.get("drop_oversized", False)),
+                   tuple(d.get("patch_size", (1, 2, 2))), str(d.get("source", "")), str(d.get("date", "")))
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        """Read a plan JSON. Raises FileNotFoundError, or ValueError for invalid JSON or fields."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"plan not found: {path}")
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: not valid JSON (line {err.lineno}: {err.msg})") from None
+        return cls.from_json(data, where=path)
+
+    def format_table(self) -> str:
+        """The bucket table next to the equal-token table, and the predicted throughput of both."""
+        budget = "none (memory only)" if self.step_budget_s is None else f"{self.step_budget_s * 1e3:.1f} ms/step"
+        comp = f", M_comp = {self.m_comp:.4g}" if self.m_comp is not None else ""
+        lines = [f"plan for world size {self.world_size}, policy {self.policy}: M_mem = {self.m_mem:,} tokens "
+                 f"(limit {self.m_mem_limit:,}), step budget {budget}{comp}",
+                 f"{'bucket (T,H,W)':>16} {'S':>7} {'samples':>9} | {'B':>4} {'step ms':>8} {'steps %':>7} |"
+                 f" {'eq-tok B':>8} {'step ms':>8} {'steps %':>7}"]
+        for row in self.buckets:
+            key = "x".join(str(v) for v in row["key"])
+            lines.append(f"{key:>16} {row['seq_len']:>7} {row['num_samples']:>9} | {row['batch_size']:>4} "
+                         f"{row['step_time_s'] * 1e3:>8.1f} {row['share_of_steps'] * 100:>7.1f} | "
+                         f"{row['equal_token_batch_size']:>8} {row['equal_token_step_time_s'] * 1e3:>8.1f} "
+                         f"{row['equal_token_share_of_steps'] * 100:>7.1f}")
+        for row in self.dropped:
+            lines.append(f"{'x'.join(str(v) for v in row['key']):>16} {row['seq_len']:>7} {row['num_samples']:>9} | dropped (S > memory limit)")
+        p = self.predicted
+        if p:
+            lines.append(f"predicted tokens/s: plan {p['tokens_per_s']:,.0f} (idle {p['idle']:.2f}), equal-token "
+                         f"{p['equal_token_tokens_per_s']:,.0f} (idle {p['equal_token_idle']:.2f}), speedup {p['speedup']:.2f}x")
+        return "\n".join(lines)
+
+
+def memory_limit(calibration: Calibration, max_seq_len: int, *, memory_budget_bytes=None, m_mem=None,
+                 safety: float = DEFAULT_SAFETY) -> tuple[int, str]:
+    """The largest tokens per batch memory allows, and where it came from.
+
+    Priority: ``m_mem`` given; else the memory model at ``memory_budget_bytes`` (or
+    ``calibration.settings["device_memory_bytes"]``) with ``safety``; else the largest ``B*S`` the
+    calibration ran without running out of memory.
+
+    Raises:
+        ValueError: none of these is available.
+    """
+    if m_mem is not None:
+        if m_mem < 1:
+            raise ValueError(f"m_mem must be >= 1 token, got {m_mem}")
+        return int(m_mem), "given"
+    budget = memory_budget_bytes if memory_budget_bytes is not None else calibration.settings.get("device_memory_bytes")
+    if budget is not None:
+        if calibration.memory_model is None:
+            raise ValueError("the calibration has no memory model (no peak memory measured): give m_mem (--m-mem) instead")
+        seq = max_seq_len if calibration.memory_model.m2 > 0 else None
+        return calibration.memory_model.max_tokens(budget, safety=safety, seq_len=seq), \
+            f"memory model at {budget / 2**30:.1f} GiB x {safety}"
+    if calibration.largest_ok_tokens is not None:
+        return int(calibration.largest_ok_tokens), "largest B*S measured without running out of memory"
+    raise ValueError("no memory limit: give a memory budget (--memory-budget-gb) or m_mem (--m-mem)")
+
+
+def make_plan(manifest: Manifest, calibration: Calibration, world_size: int, *, memory_budget_bytes=None,
+              m_mem=None, drop_oversized: bool = False, policy: str = "random", safety: float = DEFAULT_SAFETY) -> Plan:
+    """Choose ``M_mem`` and the step budget that maximise predicted tokens/s; compare with equal-token.
+
+    Args:
+        manifest: the corpus (its buckets and their sample counts).
+        calibration: cost model (and memory model) of the model being trained.
+        world_size: data-parallel ranks W.
+        memory_budget_bytes: device memory for training; with the memory model gives the limit on
+            ``M_mem`` (see :func:`memory_limit`).
+        m_mem: a fixed ``M_mem`` in tokens instead of a search up to the memory limit.
+        drop_oversized: drop buckets whose single sample exceeds the memory limit instead of raising.
+        policy: the step policy the sampler will use (``"random"`` or ``"cost_grouped"``).
+        safety: fraction of ``memory_budget_bytes`` to plan for.
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        ValueError: bad world size or policy, no memory limit, or buckets with ``S`` over the memory
+            limit (each named with its shape, S and sample count) without ``drop_oversized``.
+    """
+    if not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ValueError(f"Invalid world_size {world_size!r}, world_size should be a positive integer")
+    if policy not in POLICIES:
+        raise ValueError(f"Invalid policy {policy!r}, policy should be one of {POLICIES}")
+    keys, _, counts = group_buckets(manifest.bucket_keys)
+    seq = bucket_tokens(keys, manifest.patch_size)
+    limit, _ = memory_limit(calibration, int(seq.max()), memory_budget_bytes=memory_budget_bytes, m_mem=m_mem, safety=safety)
+    over = seq > limit
+    dropped = [{"key": keys[k].tolist(), "seq_len": int(seq[k]), "num_samples": int(counts[k])} for k in np.flatnonzero(over)]
+    if over.all():
+        raise ValueError(f"every bucket has S over the memory limit of {limit:,} tokens (shortest S = {int(seq.min()):,})")
+    if dropped and not drop_oversized:
+        names = "; ".join(f"latent {tuple(r['key'])} S={r['seq_len']:,} ({r['num_samples']} samples)" for r in dropped)
+        raise ValueError(f"bucket(s) longer than the memory limit of {limit:,} tokens per batch: {names}; "
+                         f"raise the memory budget, use activation checkpointing, or drop them (--drop-oversized)")
+    kseq, kcount = seq[~over], counts[~over]
+    cost = calibration.cost_model
+
+    def sizes_for(mm, budget):
+        b = np.zeros(len(seq), dtype=np.int64)
+        b[~over] = rule_batch_sizes(cost, kseq, mm, budget)
+        return b
+
+    longest = int(kseq.max())
+    mm_candidates = [limit] if m_mem is not None else sorted(
+        {int(v) for v in np.geomspace(longest, limit, M_MEM_CANDIDATES)} | {limit})
+    best = None
+    for mm in mm_candidates:
+        b_mem = np.maximum(1, mm // kseq)
+        # budgets at which some bucket's B changes: t(b, S_k) for b = 1..B_mem,k
+        breakpoints = np.unique(np.concatenate([cost.predict(np.arange(1, bm + 1), s) for bm, s in zip(b_mem, kseq)]))
+        if breakpoints.size > MAX_BUDGET_CANDIDATES:
+            breakpoints = np.unique(np.quantile(breakpoints, np.linspace(0, 1, MAX_BUDGET_CANDIDATES)))
+        # a budget just above each breakpoint admits that batch (float rounding), plus memory only
+        for budget in [*(breakpoints * (1 + 1e-9)), None]:
+            b = sizes_for(mm, budget)
+            tps = predicted_throughput(cost, seq, counts, b, world_size, policy)["tokens_per_s"]
+            if best is None or tps > best[0] * (1 + 1e-12):
+                best = (tps, mm, budget)
+    _, chosen_mm, chosen_budget = best
+    b_plan = sizes_for(chosen_mm, chosen_budget)
+    b_eq = sizes_for(limit, None)
+    plan_pred = predicted_throughput(cost, seq, counts, b_plan, world_size, policy)
+    eq_pred = predicted_throughput(cost, seq, counts, b_eq, world_size, "random")
+
+    def shares(b):
+        bucket, _, mult = batch_mix(counts, b)
+        per = np.bincount(bucket, weights=mult, minlength=len(seq))
+        return per / per.sum()
+
+    share_plan, share_eq = shares(b_plan), shares(b_eq)
+    rows = [{"key": keys[k].tolist(), "seq_len": int(seq[k]), "num_samples": int(counts[k]),
+             "batch_size": int(b_plan[k]), "step_time_s": float(cost.predict(b_plan[k], seq[k])),
+             "share_of_steps": float(share_plan[k]), "equal_token_batch_size": int(b_eq[k]),
+             "equal_token_step_time_s": float(cost.predict(b_eq[k], seq[k])),
+             "equal_token_share_of_steps": float(share_eq[k])} for k in np.flatnonzero(~over)]
+    predicted = {"tokens_per_s": plan_pred["tokens_per_s"], "step_time_s": plan_pred["step_time_s"],
+                 "idle": plan_pred["idle"], "equal_token_tokens_per_s": eq_pred["tokens_per_s"],
+                 "equal_token_step_time_s": eq_pred["step_time_s"], "equal_token_idle": eq_pred["idle"],
+                 "speedup": plan_pred["tokens_per_s"] / eq_pred["tokens_per_s"]}
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return Plan(int(world_size), policy, int(chosen_mm), int(limit),
+                None if chosen_budget is None else float(chosen_budget), cost, rows, dropped, predicted,
+                bool(drop_oversized), tuple(manifest.patch_size), manifest.source, now)

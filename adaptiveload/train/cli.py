@@ -1,0 +1,199 @@
+"""``adaptiveload train`` and ``adaptiveload calibrate``.
+
+    adaptiveload train                                   # tiny model, reference mix, CPU, < 3 minutes
+    adaptiveload train --preset wan2.1-1.3b --baseline   # one GPU, adaptiveload vs Inductor + equal-token
+    torchrun --nproc-per-node 2 -m adaptiveload train --preset wan2.1-1.3b --num-layers 10
+    adaptiveload calibrate --preset tiny --out calibration.json
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from adaptiveload.train.distributed import init_distributed
+
+logger = logging.getLogger("adaptiveload.train")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    from adaptiveload.train.setup import CHECKPOINT_MODES
+    from adaptiveload.train.step import BACKENDS, INNER_COMPILERS
+
+    group = p.add_argument_group("model and compile")
+    group.add_argument("--preset", default=None, help="reference model preset: tiny (default), wan2.1-1.3b, wan2.1-14b")
+    group.add_argument("--model", default=None, metavar="MODULE:FACTORY",
+                       help="your model: a function returning an nn.Module called as model(latents, timestep, context); "
+                            "diffusers' Wan: adaptiveload.train.diffusers_wan:wan_1_3b")
+    group.add_argument("--num-layers", type=_positive_int, default=None, help="keep only this many blocks of a preset")
+    group.add_argument("--backend", choices=BACKENDS, default="adaptiveload", help="compile backend (default adaptiveload)")
+    group.add_argument("--inner", choices=INNER_COMPILERS, default=None,
+                       help="compiler behind the adaptiveload backend (default: inductor on GPU, eager on CPU)")
+    group.add_argument("--activation-checkpointing", choices=CHECKPOINT_MODES, default="auto",
+                       help="auto: on when the longest sample would not fit otherwise (GPU)")
+    group.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    group.add_argument("--dist-timeout", type=float, default=300.0,
+                       help="seconds a collective waits for a failed peer before the ranks give up (torchrun)")
+    data = p.add_argument_group("data")
+    data.add_argument("--manifest", default=None, help="CSV / JSONL / Parquet with num_frames,height,width (default: reference mix)")
+    data.add_argument("--samples", type=_positive_int, default=None,
+                      help="samples: size of the reference mix (default 256), or the first rows of --manifest")
+    data.add_argument("--downscale", type=_positive_int, default=None,
+                      help="divide heights and widths by this factor (default 8 on CPU, 1 on GPU)")
+    data.add_argument("--seed", type=int, default=0)
+
+
+def _model_source(args) -> tuple:
+    if args.preset is not None and args.model is not None:
+        raise ValueError("give either --preset or --model, not both")
+    return (args.preset or ("tiny" if args.model is None else None)), args.model
+
+
+def run_train(args) -> int:
+    """``adaptiveload train``: see :mod:`adaptiveload.train.job`."""
+    from adaptiveload.train.job import JobConfig, TrainingFailed, run_job
+    from adaptiveload.train.report import format_report
+
+    preset, factory = _model_source(args)
+    cfg = JobConfig(
+        preset=preset, model=factory, num_layers=args.num_layers, manifest=args.manifest, samples=args.samples,
+        downscale=args.downscale, seed=args.seed, steps=args.steps, backend=args.backend, inner=args.inner,
+        sampler=args.sampler, policy=args.policy, calibration=args.calibration, plan=args.plan,
+        memory_budget_gb=args.memory_budget_gb, m_mem=args.m_mem, drop_oversized=args.drop_oversized,
+        activation_checkpointing=args.activation_checkpointing, learning_rate=args.lr, baseline=args.baseline,
+        baseline_backend=args.baseline_backend, out=args.out, resume=args.resume, eval_every=args.eval_every,
+        eval_samples=args.eval_samples, profile_every=args.profile_every, checkpoint_every=args.checkpoint_every,
+        workers=args.workers, quiet=args.quiet,
+    )
+    ctx = init_distributed(args.device, timeout_s=args.dist_timeout)
+    try:
+        results = run_job(cfg, ctx)
+    except TrainingFailed as err:
+        if ctx.is_main:
+            print(f"adaptiveload train: error: {err}\nresults so far: {os.path.join(cfg.out, 'results.json')}", flush=True)
+        return 1  # the process groups may hold a timed-out collective: leave them to process exit
+    ctx.close()
+    if ctx.is_main:
+        print(format_report(results))
+        print(f"results: {os.path.join(cfg.out, 'results.json')}" + (f", plot: {results['plot']}" if results.get("plot") else ""))
+    return 0
+
+
+def run_calibrate(args) -> int:
+    """``adaptiveload calibrate``: time training steps over a (B, S) grid; write calibration.json (+ PNG)."""
+    from adaptiveload.sched.calibration import Calibration
+    from adaptiveload.train.calibrate import calibrate, calibration_grid
+    from adaptiveload.train.job import default_inner
+    from adaptiveload.train.setup import (bucket_shapes, build_step, default_downscale, device_description,
+                                         device_memory_bytes, load_corpus)
+    from adaptiveload.train.step import StepConfig
+
+    preset, factory = _model_source(args)
+    ctx = init_distributed(args.device, timeout_s=args.dist_timeout)
+    try:
+        downscale = args.downscale if args.downscale is not None else default_downscale(ctx.device)
+        corpus = load_corpus(args.manifest, args.samples, args.seed, downscale)
+        shapes = bucket_shapes(corpus)
+        grid = calibration_grid(shapes, corpus.patch_size, num_shapes=args.shapes, batch_sizes=args.batch_sizes,
+                                max_tokens=args.max_tokens)
+        step_config = StepConfig(backend=args.backend, inner=args.inner or default_inner(ctx.device))
+        step, spec, info = build_step(ctx, preset=preset, factory=factory, num_layers=args.num_layers,
+                                      step_config=step_config, activation_checkpointing=args.activation_checkpointing,
+                                      max_seq_len=int(corpus.seq_lens.max()), seed=args.seed)
+        run = calibrate(step, spec, grid, patch_size=corpus.patch_size, warmup=args.warmup, repeats=args.repeats,
+                        seed=args.seed)
+        settings = {"model": info.name, "num_layers": info.num_layers, "backend": step_config.describe(),
+                    "activation_checkpointing": info.activation_checkpointing, "world_size": ctx.world_size,
+                    "dtype": "bfloat16 autocast" if ctx.device.type == "cuda" else "float32", "optimizer": "AdamW",
+                    "warmup": args.warmup, "repeats": args.repeats, "corpus": corpus.source, "downscale": downscale}
+        if ctx.device.type == "cuda":
+            settings["device_memory_bytes"] = device_memory_bytes(ctx.device)
+        if not ctx.is_main:
+            return 1 if run.aborted else 0
+        ok = sum(p["status"] == "ok" for p in run.points)
+        if ok < 3:
+            print(f"adaptiveload calibrate: error: only {ok} point(s) ran"
+                  + (f" ({run.aborted})" if run.aborted else "") + "; nothing written")
+            return 1
+        calibration = Calibration.from_points(run.points, settings=settings, device=device_description(ctx.device))
+        out_dir = os.path.dirname(os.path.abspath(args.out))
+        os.makedirs(out_dir, exist_ok=True)
+        calibration.save(args.out)
+        png = calibration.plot(os.path.splitext(args.out)[0] + ".png")
+        print(calibration.describe())
+        for p in run.points:
+            time_ms = f"{p['step_time_s'] * 1e3:9.1f} ms" if p["step_time_s"] is not None else f"{p['status']:>12}"
+            mem = f"{p['peak_memory_bytes'] / 2**30:7.2f} GiB" if p["peak_memory_bytes"] else ""
+            print(f"  B={p['batch_size']:>3} latent {'x'.join(map(str, p['latent_shape'])):>10} S={p['seq_len']:>7,} {time_ms} {mem}")
+        print(f"wrote {args.out}" + (f" and {png}" if png else ""))
+        if run.aborted:
+            print(f"adaptiveload calibrate: error: sweep stopped early: {run.aborted} (points so far written)")
+            return 1
+        return 0
+    finally:
+        ctx.close()
+
+
+def add_commands(subparsers) -> None:
+    """Add ``train`` and ``calibrate`` to the ``adaptiveload`` command line."""
+    from adaptiveload.sched.sampler import POLICIES
+    from adaptiveload.train.job import SAMPLERS
+
+    train = subparsers.add_parser(
+        "train", help="train a video DiT with the fused backend and the calibrated bucket sampler",
+        description="Calibrate (or load a calibration), plan, and train; print tokens/s, load balance, memory "
+                    "and eval loss. With no arguments: the tiny model on the reference mix, on the CPU.")
+    _add_model_options(train)
+    run = train.add_argument_group("run")
+    run.add_argument("--steps", type=_positive_int, default=None, help="global steps (default: one epoch)")
+    run.add_argument("--sampler", choices=SAMPLERS, default="dual", help="dual-constraint (default) or equal-token")
+    run.add_argument("--policy", choices=POLICIES, default="random", help="step policy of the dual sampler")
+    run.add_argument("--calibration", default=None,
+                     help="calibration.json or a built-in name (default: a quick calibration with the run's own step)")
+    run.add_argument("--plan", default=None, help="a plan JSON from `adaptiveload plan` (must match the world size)")
+    run.add_argument("--memory-budget-gb", type=float, default=None, help="memory budget to plan for (default: the GPU's)")
+    run.add_argument("--m-mem", type=_positive_int, default=None, help="fixed tokens per batch instead of planning it")
+    run.add_argument("--drop-oversized", action="store_true", help="drop buckets longer than the memory limit")
+    run.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    run.add_argument("--baseline", action="store_true",
+                     help="also run equal-token + plain torch.compile (Inductor; eager on CPU) and compare")
+    run.add_argument("--baseline-backend", default=None, help="compile backend of the baseline run")
+    run.add_argument("--out", default="adaptiveload-train", help="output folder (results.json, results.png, checkpoints)")
+    run.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    run.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    run.add_argument("--eval-every", type=_positive_int, default=10, help="evaluate the fixed batch every N steps")
+    run.add_argument("--eval-samples", type=_positive_int, default=4, help="samples in the fixed evaluation batch")
+    run.add_argument("--profile-every", type=int, default=5, help="profile every N-th step for busy time (0: never)")
+    run.add_argument("--workers", type=int, default=None, help="DataLoader workers (default 4 on GPU, 0 on CPU)")
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    train.set_defaults(func=run_train)
+
+    cal = subparsers.add_parser(
+        "calibrate", help="time real training steps over a (B, S) grid and fit the step-time model",
+        description="Writes calibration.json (points, fits, settings) and a PNG of measured vs predicted time.")
+    _add_model_options(cal)
+    grid = cal.add_argument_group("grid")
+    grid.add_argument("--shapes", type=_positive_int, default=5, help="bucket shapes to measure, spread over S")
+    grid.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16], help="comma-separated, e.g. 1,2,4,8")
+    grid.add_argument("--max-tokens", type=_positive_int, default=None, help="skip points with B*S above this")
+    grid.add_argument("--warmup", type=int, default=2, help="untimed steps per point")
+    grid.add_argument("--repeats", type=_positive_int, default=5, help="timed steps per point (median)")
+    grid.add_argument("--out", default="calibration.json")
+    cal.set_defaults(func=run_calibrate)

@@ -1,0 +1,155 @@
+"""Building what ``calibrate`` and ``train`` share from their options: the corpus and the training step.
+
+Corpus: a manifest file (CSV / JSONL / Parquet) or the built-in reference mix. ``downscale`` divides
+every sample's height and width by an integer factor (the VAE's spatial stride becomes ``8·k``), so
+S shrinks by about k² while the mix of buckets stays the same; the CPU default is 8 (reference mix:
+S from 18 to 1,050 tokens instead of 1,560 to 75,600), which lets the tiny model train on a laptop.
+
+Activation checkpointing ``"auto"``: on when the longest sample's estimated activation memory does
+not fit on the device next to the weights and optimizer state. The estimate is 70 bytes per token
+per model channel per layer (ANCHORS §2: a 10-layer, 1536-channel Wan model uses ~1 GiB per 1k
+tokens without checkpointing, bf16), and weights + gradients + AdamW state take 16 bytes per
+parameter (float32). Off on CPU.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from adaptiveload.sched.manifest import Manifest, load_manifest, reference_mix
+from adaptiveload.sched.shapes import WAN_PATCH_SIZE, WAN_VAE_STRIDE
+from adaptiveload.train.distributed import DistContext
+from adaptiveload.train.step import InputSpec, StepConfig, TrainStep, load_model
+
+logger = logging.getLogger("adaptiveload.train")
+
+CPU_DOWNSCALE = 8  # default height/width divisor of the corpus on CPU (module docstring)
+ACTIVATION_BYTES_PER_TOKEN_CHANNEL_LAYER = 70  # ANCHORS §2: ~1 GiB per 1k tokens at 10 layers x 1536
+TRAINING_STATE_BYTES_PER_PARAM = 16  # float32 weights, gradients, AdamW exp_avg and exp_avg_sq
+CHECKPOINT_MODES = ("auto", "on", "off")
+DEFAULT_SAMPLES = 256  # size of the reference mix when --samples is not given
+
+
+def load_corpus(manifest: Optional[str], num_samples: Optional[int], seed: int, downscale: int,
+                patch_size=WAN_PATCH_SIZE) -> Manifest:
+    """The training corpus: ``manifest`` (first ``num_samples`` rows) or the reference mix of ``num_samples``.
+
+    Raises:
+        ValueError: a bad manifest (the reader names file, row and field), a manifest without
+            pixel sizes (latent shapes are needed to make tensors), ``downscale < 1``, or
+            ``num_samples < 1``.
+        FileNotFoundError: the manifest does not exist.
+    """
+    if downscale < 1:
+        raise ValueError(f"--downscale must be >= 1, got {downscale}")
+    if num_samples is not None and num_samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {num_samples}")
+    st, sh, sw = WAN_VAE_STRIDE
+    stride = (st, sh * downscale, sw * downscale)
+    if manifest is None:
+        return reference_mix(num_samples or DEFAULT_SAMPLES, seed, vae_stride=stride, patch_size=patch_size)
+    corpus = load_manifest(manifest, vae_stride=stride, patch_size=patch_size)
+    if corpus.latent_shapes is None:
+        raise ValueError(f"{manifest}: training needs num_frames,height,width columns (seq_len alone gives no tensor shape)")
+    if num_samples is not None and num_samples < len(corpus):
+        corpus = Manifest(corpus.seq_lens[:num_samples], corpus.latent_shapes[:num_samples],
+                          None if corpus.pixel_shapes is None else corpus.pixel_shapes[:num_samples],
+                          corpus.vae_stride, corpus.patch_size, f"{corpus.source} (first {num_samples} rows)")
+    return corpus
+
+
+def default_downscale(device: torch.device) -> int:
+    """Height/width divisor of the corpus when none is given: 1 on GPU, :data:`CPU_DOWNSCALE` on CPU."""
+    return 1 if device.type == "cuda" else CPU_DOWNSCALE
+
+
+def bucket_shapes(corpus: Manifest) -> np.ndarray:
+    """Distinct latent shapes [k, 3] of a corpus."""
+    return np.unique(corpus.latent_shapes, axis=0)
+
+
+def resolve_activation_checkpointing(mode: str, model: torch.nn.Module, max_seq_len: int, device: torch.device) -> bool:
+    """Decide activation checkpointing (``"on"``, ``"off"``, ``"auto"``; the rule is in the module docstring).
+
+    Raises:
+        ValueError: an unknown mode, or ``"on"`` for a model without ``set_activation_checkpointing``.
+    """
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose one of {', '.join(CHECKPOINT_MODES)}")
+    can = hasattr(model, "set_activation_checkpointing")
+    if mode == "on" and not can:
+        raise ValueError(f"model {type(model).__name__} has no set_activation_checkpointing(); configure it in the factory")
+    if mode == "auto":
+        config = getattr(model, "config", None)
+        if device.type != "cuda" or not can or config is None or not hasattr(config, "dim"):
+            return False
+        params = sum(p.numel() for p in model.parameters())
+        activations = ACTIVATION_BYTES_PER_TOKEN_CHANNEL_LAYER * config.dim * config.num_layers * max_seq_len
+        free = 0.9 * torch.cuda.get_device_properties(device).total_memory - TRAINING_STATE_BYTES_PER_PARAM * params
+        enabled = activations > free
+        logger.info("activation checkpointing %s (longest sample needs ~%.1f GiB of activations, ~%.1f GiB free)",
+                    "on" if enabled else "off", activations / 2**30, free / 2**30)
+    else:
+        enabled = mode == "on"
+    if can:
+        model.set_activation_checkpointing(enabled)
+    return enabled
+
+
+@dataclass
+class ModelInfo:
+    """What was built, for reports: name, layers, parameters, checkpointing, modulate sites."""
+
+    name: str
+    num_layers: Optional[int]
+    parameters: int
+    activation_checkpointing: bool
+    modulate_sites: Optional[int]
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def build_step(
+    ctx: DistContext,
+    *,
+    preset: Optional[str],
+    factory: Optional[str],
+    num_layers: Optional[int],
+    step_config: StepConfig,
+    activation_checkpointing: str,
+    max_seq_len: int,
+    seed: int,
+) -> tuple[TrainStep, InputSpec, ModelInfo]:
+    """Build the model with the same initial weights on every rank (seeded), then the training step.
+
+    Raises:
+        ValueError: as :func:`~adaptiveload.train.step.load_model` and
+            :func:`resolve_activation_checkpointing`.
+    """
+    torch.manual_seed(seed)
+    model = load_model(preset=preset, factory=factory, num_layers=num_layers)
+    spec = InputSpec.from_model(model)
+    checkpointing = resolve_activation_checkpointing(activation_checkpointing, model, max_seq_len, ctx.device)
+    info = ModelInfo(
+        name=preset or factory,
+        num_layers=getattr(getattr(model, "config", None), "num_layers", None),
+        parameters=sum(p.numel() for p in model.parameters()),
+        activation_checkpointing=checkpointing,
+        modulate_sites=getattr(model, "num_modulate_sites", None),
+    )
+    return TrainStep(model, step_config, ctx), spec, info
+
+
+def device_description(device: torch.device) -> str:
+    """``"NVIDIA H200"`` or ``"cpu"``."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def device_memory_bytes(device: torch.device) -> Optional[int]:
+    """Total memory of a CUDA device, ``None`` on CPU."""
+    return int(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None

@@ -1,0 +1,374 @@
+"""The training step that ``adaptiveload calibrate`` times and ``adaptiveload train`` runs.
+
+One :class:`TrainStep` owns the model as it trains: moved to the device, sharded with FSDP2
+(``fully_shard`` on every transformer block, then on the root) when there are several ranks,
+compiled with the chosen backend, and an AdamW optimizer. A step is forward, the flow-matching
+loss, backward and the optimizer step, with bf16 autocast on GPU (float32 on CPU).
+
+Flow-matching (rectified-flow) loss, as used to train Wan 2.1 and SD3 (Lipman et al. 2023, "Flow
+Matching for Generative Modeling"; Esser et al. 2024, "Scaling Rectified Flow Transformers", eq. 1
+and §3.1): for clean latents x0, noise ε ~ N(0, I) and a noise level σ in (0, 1),
+
+    x_σ = (1 − σ)·x0 + σ·ε,   the model sees (x_σ, timestep = 1000·σ, text) and predicts v,
+    loss(sample) = mean over (C, T, H, W) of (v − (ε − x0))².
+
+σ is drawn per sample by the dataset (:mod:`adaptiveload.train.data`), so a sample's noise does not
+depend on which rank or batch it lands in.
+
+Unequal batches across ranks: each rank's loss is ``W · Σ_local loss(sample) / N_global`` where
+``N_global`` is the number of samples in the whole step (all ranks, all-reduced by the caller).
+FSDP2 averages gradients over the W ranks, so the applied gradient is ``Σ_all ∇loss(sample) /
+N_global``: every sample has the same weight wherever it landed — the same gradient a single
+process computes on all the step's samples.
+
+Dynamic sequence length: the batch, frame, height and width dims of the inputs are marked dynamic
+and traced size-oblivious (``torch.fx.experimental._config.backed_size_oblivious``, when this torch
+has it), so one graph serves every bucket, including B = 1 and single-frame (image) buckets.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from adaptiveload.train.distributed import DistContext
+
+logger = logging.getLogger("adaptiveload.train")
+
+BACKENDS = ("adaptiveload", "inductor", "aot_eager", "eager")
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+
+try:  # torch >= 2.6 exports FSDP2 here; older releases keep it under _composable
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # pragma: no cover - depends on the torch release
+    from torch.distributed._composable.fsdp import fully_shard
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What one sample looks like to the model.
+
+    Attributes:
+        in_channels: latent channels C.
+        text_len, text_dim: text-embedding tokens L and channels (context is [L, text_dim]).
+        patch_size: (pt, ph, pw); a latent (T, H, W) has S = T/pt · H/ph · W/pw tokens.
+    """
+
+    in_channels: int
+    text_len: int
+    text_dim: int
+    patch_size: tuple[int, int, int]
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> "InputSpec":
+        """Read the spec from ``model.config`` (a ``WanConfig`` or an object with the same fields).
+
+        Raises:
+            ValueError: the model has no ``config`` or the config lacks a field (named).
+        """
+        config = getattr(model, "config", None)
+        if config is None:
+            raise ValueError(
+                f"model {type(model).__name__} has no .config; a custom model needs a config with in_channels, "
+                "text_len, text_dim and patch_size"
+            )
+        get = config.get if isinstance(config, dict) else lambda name, default=None: getattr(config, name, default)
+        values = {
+            "in_channels": get("in_channels"),
+            "text_len": get("text_len", 512),
+            "text_dim": get("text_dim"),
+            "patch_size": tuple(get("patch_size") or ()),
+        }
+        missing = [name for name, value in values.items() if value in (None, ())]
+        if missing:
+            raise ValueError(f"model {type(model).__name__}: config lacks {', '.join(missing)}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """How the step runs.
+
+    Attributes:
+        backend: ``"adaptiveload"`` (the fused backend), ``"inductor"`` (plain ``torch.compile``),
+            ``"aot_eager"`` (compile without code generation; cheap, for tests), ``"eager"`` (no compile).
+        inner: the compiler the adaptiveload backend hands the rewritten graph to.
+        learning_rate, weight_decay, betas: AdamW's.
+        fsdp: shard with FSDP2; ``None`` means "when there are several ranks".
+    """
+
+    backend: str = "adaptiveload"
+    inner: str = "inductor"
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    fsdp: Optional[bool] = None
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.inner not in INNER_COMPILERS:
+            raise ValueError(f"unknown inner compiler {self.inner!r}; choose one of {', '.join(INNER_COMPILERS)}")
+        if not self.learning_rate >= 0:
+            raise ValueError(f"learning rate must be >= 0, got {self.learning_rate}")
+
+    def describe(self) -> str:
+        """``"adaptiveload(inductor)"``, ``"inductor"``, ... for reports."""
+        return f"adaptiveload({self.inner})" if self.backend == "adaptiveload" else self.backend
+
+
+def load_model(
+    preset: Optional[str] = None,
+    factory: Optional[str] = None,
+    num_layers: Optional[int] = None,
+    activation_checkpointing: bool = False,
+) -> nn.Module:
+    """Build the model to train: a reference preset, or the user's ``MODULE:FACTORY``.
+
+    Args:
+        preset: a name in ``adaptiveload.models.PRESETS``.
+        factory: ``"package.module:function"``; the function is called with no arguments and must
+            return an ``nn.Module`` called as ``model(latents, timestep, context)`` with a ``config``
+            (see :class:`InputSpec`).
+        num_layers: keep only this many transformer blocks (presets only; e.g. a 10-layer cut).
+        activation_checkpointing: checkpoint every block (presets; a custom model configures itself).
+
+    Raises:
+        ValueError: unknown preset (lists them), a malformed or unimportable factory, a factory that
+            returns something that is not an ``nn.Module``, or both/neither of preset and factory.
+    """
+    from adaptiveload.models import build_model
+    from adaptiveload.models.config import resolve_config
+
+    if (preset is None) == (factory is None):
+        raise ValueError("give exactly one of a preset (--preset) and a model factory (--model MODULE:FACTORY)")
+    if factory is not None:
+        module_name, sep, attr = factory.partition(":")
+        if not sep or not module_name or not attr:
+            raise ValueError(f"--model must be MODULE:FACTORY (e.g. mypkg.models:build), got {factory!r}")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"--model {factory}: cannot load the factory ({err})") from err
+        model = fn()
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"--model {factory} returned {type(model).__name__}, not an nn.Module")
+        return model
+    config = resolve_config(preset)
+    if num_layers is not None:
+        if num_layers < 1:
+            raise ValueError(f"--num-layers must be >= 1, got {num_layers}")
+        config = dataclasses.replace(config, num_layers=num_layers)
+    return build_model(config, activation_checkpointing=activation_checkpointing)
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP2 shards one by one: ``model.blocks``, else the longest ``ModuleList``."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        return list(blocks)
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def flow_matching_loss(model, latents: Tensor, context: Tensor, noise: Tensor, sigma: Tensor) -> Tensor:
+    """Per-sample rectified-flow loss (see the module docstring for the formula and sources).
+
+    Args:
+        model: called as ``model(x_sigma, timestep, context)``.
+        latents: clean latents x0 [B, C, T, H, W].
+        context: text embeddings [B, L, text_dim].
+        noise: ε [B, C, T, H, W].
+        sigma: noise level [B] in (0, 1); the model's timestep is ``1000·σ``.
+
+    Returns:
+        float32 [B]: mean squared error of each sample's prediction against ``ε − x0``.
+    """
+    s = sigma.to(latents.dtype).view(-1, *([1] * (latents.dim() - 1)))
+    noisy = (1 - s) * latents + s * noise
+    prediction = model(noisy, 1000.0 * sigma.float(), context)
+    target = noise - latents
+    return (prediction.float() - target.float()).pow(2).flatten(1).mean(dim=1)
+
+
+def _block_inputs_dynamic(module, args):
+    """Forward pre-hook of a compiled block: contiguous tensor inputs with every dim but the
+    channel (last) dim marked dynamic, so all blocks and all buckets share one graph (the first
+    block otherwise receives a transposed view from the patch embedding, the others do not)."""
+    out = []
+    for arg in args:
+        if isinstance(arg, Tensor) and arg.dim() >= 2:
+            arg = arg.contiguous()
+            torch._dynamo.maybe_mark_dynamic(arg, list(range(arg.dim() - 1)))
+        out.append(arg)
+    return tuple(out)
+
+
+def _size_oblivious():
+    """Trace sizes without specialising on 0 and 1, nor on equal sizes ("duck shapes"), where this
+    torch has the switches; otherwise B = 1 or T = 1 buckets compile once more each."""
+    config = torch.fx.experimental._config
+    switches = {name: value for name, value in (("backed_size_oblivious", True), ("use_duck_shape", False))
+                if hasattr(config, name)}
+    return config.patch(**switches)
+
+
+class TrainStep:
+    """A model ready to train: placed, sharded, compiled, with its optimizer.
+
+    Args:
+        model: the ``nn.Module`` (parameters float32); moved to ``ctx.device``.
+        config: :class:`StepConfig`.
+        ctx: :class:`DistContext` (rank, world size, device).
+
+    Attributes:
+        module: the (possibly FSDP2-sharded) module, uncompiled; evaluation runs it eagerly.
+        compiled: what a training step calls (``module`` itself for the eager backend).
+        optimizer: ``torch.optim.AdamW``.
+        sharded: whether FSDP2 wraps the model.
+    """
+
+    def __init__(self, model: nn.Module, config: StepConfig, ctx: DistContext):
+        self.config = config
+        self.ctx = ctx
+        self.device = ctx.device
+        self.module = model.to(ctx.device)
+        self.module.train()
+        self.sharded = ctx.distributed if config.fsdp is None else bool(config.fsdp)
+        if self.sharded:
+            # Compile each block's forward, then shard blocks and root: FSDP2's hooks run eagerly
+            # around the compiled blocks; the root's own layers (embeddings, head) stay eager.
+            # (Compiling the whole FSDP2 model breaks the graph at every hook and recompiles per shape.)
+            for block in transformer_blocks(self.module):
+                self._compile_forward(block)
+                fully_shard(block)
+            fully_shard(self.module)
+            self.compiled = self.module
+        else:
+            self.compiled = self._compile(self.module)
+        self.optimizer = torch.optim.AdamW(
+            self.module.parameters(), lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay
+        )
+        # FSDP2 divides the summed gradients by the world size; multiply the loss back (module docstring).
+        self.loss_scale = float(ctx.world_size) if self.sharded else 1.0
+
+    def _compile_options(self) -> dict:
+        cfg = self.config
+        if cfg.backend == "adaptiveload":
+            # the callable itself, not the name: works without the package's entry point installed
+            from adaptiveload.fxfuse.backend import adaptiveload_backend
+
+            return {"backend": adaptiveload_backend, "options": {"inner": cfg.inner, "fuse": True}}
+        return {"backend": cfg.backend}
+
+    def _compile(self, module: nn.Module):
+        if self.config.backend == "eager":
+            return module
+        return torch.compile(module, **self._compile_options())
+
+    def _compile_forward(self, module: nn.Module) -> None:
+        """Compile ``module.forward`` only, so hooks (FSDP2's all-gathers) stay outside the graph."""
+        if self.config.backend != "eager":
+            module.register_forward_pre_hook(_block_inputs_dynamic)
+            module.forward = torch.compile(module.forward, **self._compile_options())
+
+    def autocast(self):
+        """bf16 autocast on CUDA; nothing (float32) on CPU."""
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _inputs(self, batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        to = dict(device=self.device, non_blocking=True)
+        return batch.latents.to(**to), batch.context.to(**to), batch.noise.to(**to), batch.sigma.to(**to)
+
+    def _call_compiled(self, latents: Tensor, timestep: Tensor, context: Tensor) -> Tensor:
+        """The compiled model, with batch, frame, height and width marked dynamic (one graph for all buckets)."""
+        torch._dynamo.maybe_mark_dynamic(latents, [0, 2, 3, 4])
+        torch._dynamo.maybe_mark_dynamic(timestep, 0)
+        torch._dynamo.maybe_mark_dynamic(context, 0)
+        return self.compiled(latents, timestep, context)
+
+    def forward_backward(self, batch, global_num_samples: int) -> Tensor:
+        """Forward, loss and backward for this rank's batch; gradients accumulate into ``.grad``.
+
+        Args:
+            batch: a :class:`adaptiveload.train.data.Batch` (one latent shape).
+            global_num_samples: samples in the whole step, summed over ranks (the loss normaliser).
+
+        Returns:
+            float32 scalar (detached): the sum of this rank's per-sample losses.
+
+        Raises:
+            ValueError: ``global_num_samples`` smaller than this rank's batch.
+        """
+        if global_num_samples < len(batch):
+            raise ValueError(f"global_num_samples {global_num_samples} < this rank's batch size {len(batch)}")
+        latents, context, noise, sigma = self._inputs(batch)
+        with _size_oblivious(), self.autocast():
+            per_sample = flow_matching_loss(self._call_compiled, latents, context, noise, sigma)
+        loss_sum = per_sample.sum()
+        (loss_sum * (self.loss_scale / global_num_samples)).backward()
+        return loss_sum.detach()
+
+    def optimizer_step(self) -> None:
+        """Apply the accumulated gradients (AdamW) and clear them."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def __call__(self, batch, global_num_samples: int) -> Tensor:
+        """One full training step (forward, loss, backward, optimizer); returns the local loss sum."""
+        loss_sum = self.forward_backward(batch, global_num_samples)
+        self.optimizer_step()
+        return loss_sum
+
+    @torch.no_grad()
+    def evaluate(self, batch) -> Tensor:
+        """Per-sample flow-matching loss [B] (float32, on CPU) of ``batch`` under the current weights.
+
+        Runs the uncompiled module (the same computation for every backend) in the training
+        dtype policy, so evaluation losses are comparable across backends and samplers.
+        """
+        latents, context, noise, sigma = self._inputs(batch)
+        with self.autocast():
+            return flow_matching_loss(self.module, latents, context, noise, sigma).cpu()
+
+    @contextlib.contextmanager
+    def frozen_weights(self):
+        """Run real steps without changing the model: learning rate 0 inside, optimizer state reset after.
+
+        AdamW with lr = 0 does all the work of a step (so timings and compiled graphs are the
+        training ones) but leaves every parameter unchanged (its decay term is ``lr·wd·p``).
+        """
+        saved = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        try:
+            yield self
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, saved):
+                group["lr"] = lr
+            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.state.clear()
+
+    def synchronize(self) -> None:
+        """Wait for this rank's queued device work."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def peak_memory_bytes(self) -> int:
+        """Peak device memory allocated since the last :meth:`reset_peak_memory` (0 on CPU)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return 0
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak-memory window (CUDA)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# One lent-GPU session for the fused op (see /work/.library/device): install, build the kernels,
+# then the GPU tests (on the second GPU), the sanitizer and the benchmark (on the first), writing
+# logs and results under $OUT. Stages are arguments, run in this order:
+#   build      adaptiveload build (always done first when any other stage is given)
+#   tests      pytest -m cuda tests/ops on GPU 1 (in the background while the benchmark runs)
+#   sanitize   benchmarks/sanitize.sh on GPU 1 after the tests
+#   sweep      op-only timings over thread caps (ADAPTIVELOAD_MAX_THREADS) on GPU 0
+#   bench-quick / bench   benchmarks/bench_adaln.py on GPU 0 (a subset / the full grid)
+# Usage: benchmarks/gpu_session.sh build tests sweep bench-quick
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export ADAPTIVELOAD_CACHE=/tmp/adaptiveload-cache HYPOTHESIS_PROFILE=ci
+STAGES=" $* "
+want() { [[ "$STAGES" == *" $1 "* ]]; }
+
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+if [[ -d .whl ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+t0=$(date +%s)
+adaptiveload build --verbose >"$OUT/build.log" 2>&1
+rc=$?
+echo "build: exit $rc in $(( $(date +%s) - t0 )) s; cache $(tail -1 "$OUT/build.log")"
+if [[ $rc -ne 0 ]]; then grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; fi
+
+if want tests || want sanitize; then
+  (
+    export CUDA_VISIBLE_DEVICES=1
+    if want tests; then
+      # the fixed-shape tests first, then the hypothesis property test (its shrinking can be slow)
+      timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/ops -m cuda -q -p no:cacheprovider --durations=10 \
+        -W ignore::DeprecationWarning -k "not kernels_match_float64_reference" >"$OUT/tests.log" 2>&1
+      echo "tests (fixed shapes): exit $?" >>"$OUT/tests.log"
+      timeout ${PROPERTY_TIMEOUT:-90} python3 -m pytest tests/ops -m cuda -q -p no:cacheprovider \
+        -W ignore::DeprecationWarning -k "kernels_match_float64_reference" >>"$OUT/tests.log" 2>&1
+      echo "tests (property): exit $?" >>"$OUT/tests.log"
+    fi
+    if want sanitize; then
+      timeout 150 benchmarks/sanitize.sh "$OUT/sanitize" >>"$OUT/tests.log" 2>&1
+      echo "sanitize: exit $?" >>"$OUT/tests.log"
+    fi
+  ) &
+  side=$!
+fi
+
+export CUDA_VISIBLE_DEVICES=0
+if want sweep; then
+  python3 - >"$OUT/sweep.log" 2>&1 <<'PY'
+import os, torch, triton.testing as tt
+import adaptiveload  # noqa: F401
+os.environ["ADAPTIVELOAD_REQUIRE_KERNEL"] = "1"
+op, bwd = torch.ops.adaptiveload.adaln_modulate, torch.ops.adaptiveload.adaln_modulate_backward
+bw = 4.25e12
+a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
+ms = tt.do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median"); bw = 2 * (1 << 30) / (ms * 1e-3)
+del a, b
+print(f"copy {bw / 1e12:.2f} TB/s")
+for (B, N, D, pt) in [(1, 65536, 1536, False), (1, 65536, 3072, False), (1, 65536, 5120, False),
+                      (1, 16384, 3072, True)]:
+    x = torch.randn(B, N, D, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    if pt:
+        s, h = (0.1 * torch.randn(B, N, 2 * D, device="cuda", dtype=torch.bfloat16)).chunk(2, -1)
+    else:
+        s, h = (0.1 * torch.randn(B, 2 * D, device="cuda")).chunk(2, -1); s, h = s.unsqueeze(1), h.unsqueeze(1)
+    k = 2 if pt else 1
+    solf, solb = 2 * k * x.numel() * 2 / bw * 1e3, 3 * k * x.numel() * 2 / bw * 1e3
+    for mt in (256, 512):
+        os.environ["ADAPTIVELOAD_MAX_THREADS"] = str(mt)
+        y, mean, rstd = op(x, None, None, s, h, 1e-6, torch.bfloat16)
+        f = tt.do_bench(lambda: op(x, None, None, s, h, 1e-6, torch.bfloat16), warmup=25, rep=100, return_mode="median")
+        os.environ["ADAPTIVELOAD_BWD"] = ""
+        g1 = tt.do_bench(lambda: bwd(dy, x, None, None, s, h, mean, rstd), warmup=25, rep=100, return_mode="median")
+        os.environ["ADAPTIVELOAD_BWD"] = "two_kernel"
+        g2 = tt.do_bench(lambda: bwd(dy, x, None, None, s, h, mean, rstd), warmup=25, rep=100, return_mode="median")
+        os.environ["ADAPTIVELOAD_BWD"] = ""
+        print(f"B={B} N={N} D={D} pt={pt} max_threads={mt}: fwd {f:.3f} ms ({100 * solf / f:.0f}% SoL) "
+              f"bwd {g1:.3f} ({100 * solb / g1:.0f}%) two-kernel {g2:.3f} ({100 * solb / g2:.0f}%)", flush=True)
+PY
+  echo "sweep: exit $?"; cat "$OUT/sweep.log"
+fi
+if want bench-quick; then
+  timeout 300 python3 benchmarks/bench_adaln.py --B 1 2 --N 65536 --D 1536 3072 5120 --layouts per-sample \
+    --patterns bf16 --out "$OUT" --tag quick
+  echo "bench-quick: exit $?"
+fi
+if want bench; then
+  timeout 290 python3 benchmarks/bench_adaln.py --out "$OUT" --tag h200 ${BENCH_ARGS:---preset session}
+  echo "bench: exit $?"
+fi
+if [[ -n "${side:-}" ]]; then wait "$side"; fi
+tail -40 "$OUT/tests.log" 2>/dev/null
+exit 0

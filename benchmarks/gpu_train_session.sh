@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# GPU measurements of `adaptiveload train` (issue 5), one phase per device call:
+#   bash benchmarks/gpu_train_session.sh x2   # two H200 under torchrun with FSDP2: baseline, dual, cost_grouped
+#   bash benchmarks/gpu_train_session.sh x1   # one H200 each: eager/inductor/adaptiveload + equal-token, adaptiveload + dual
+# Same corpus (reference mix, --samples, --seed) and plan calibration for every configuration. Each run is capped
+# with `timeout` so one hang cannot eat the session; results.json/png of every run and all logs are packed
+# into $OUT/<phase>.tgz (checkpoints are off).
+set -u
+PHASE=${1:?x1 or x2}
+OUT=${OUT:-/tmp/out}
+CAP=${CAP:-140}
+RUNS=/tmp/runs
+mkdir -p "$RUNS" "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+COMMON=(--preset wan2.1-1.3b --num-layers 10 --samples "${SAMPLES:-128}" --seed 0
+        --calibration "${CALIBRATION:-anchors-wan1.3b}" --memory-budget-gb 120 --quiet)
+python -m pip install -q -e . --no-deps --no-build-isolation
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RUNS/gpus.csv"
+python -c "import torch; print(torch.__version__, torch.version.cuda)" > "$RUNS/torch.txt"
+python -m adaptiveload build > "$RUNS/build.log" 2>&1
+
+train() {  # name, then arguments after the common ones
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$RUNS/commands.txt"
+  timeout "$CAP" "$@" "${COMMON[@]}" --out "$RUNS/$name" > "$RUNS/$name.log" 2>&1
+  echo "   exit $? after ${SECONDS}s" | tee -a "$RUNS/commands.txt"
+  tail -n 25 "$RUNS/$name.log"
+}
+
+TORCHRUN=(python -m torch.distributed.run --standalone --nproc-per-node 2 -m adaptiveload train)
+ONE=(python -m adaptiveload train)
+case $PHASE in
+  x2)
+    train x2_baseline "${TORCHRUN[@]}" --backend inductor --sampler equal
+    train x2_dual "${TORCHRUN[@]}" --backend adaptiveload --sampler dual --policy random
+    train x2_cost_grouped "${TORCHRUN[@]}" --backend adaptiveload --sampler dual --policy cost_grouped
+    ;;
+  x1)
+    ( export CUDA_VISIBLE_DEVICES=0
+      train x1_inductor_equal "${ONE[@]}" --backend inductor --sampler equal
+      train x1_eager_equal "${ONE[@]}" --backend eager --sampler equal ) &
+    ( export CUDA_VISIBLE_DEVICES=1
+      train x1_adaptiveload_equal "${ONE[@]}" --backend adaptiveload --sampler equal
+      train x1_adaptiveload_dual "${ONE[@]}" --backend adaptiveload --sampler dual ) &
+    wait
+    ;;
+esac
+tar czf "$OUT/$PHASE.tgz" -C "$RUNS" --exclude='checkpoint*' --exclude='*.pt' --exclude='*.distcp' .
+ls -la "$OUT"

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# compute-sanitizer memcheck and racecheck over the fused op's kernels on a small set of shapes:
+# aligned 16-byte path and scalar path (D not a multiple of 8, D = 1), per-sample / per-token /
+# shared / strided modulation, affine or not, fp32 / bf16 / fp16, both backward designs, a
+# partial last row tile. PyTorch's caching allocator is off so that every tensor is its own
+# allocation and an out-of-bounds access cannot land inside a neighbour.
+# Usage: benchmarks/sanitize.sh [LOGDIR]   (exit status non-zero when a tool reports an error)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOGDIR=${1:-${OUT:-/tmp}/sanitize}
+mkdir -p "$LOGDIR"
+PY=${PYTHON:-python3}
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1 ADAPTIVELOAD_REQUIRE_KERNEL=1
+CASES=$(mktemp --suffix .py)
+trap 'rm -f "$CASES"' EXIT
+cat >"$CASES" <<'PY'
+import os
+import torch
+import adaptiveload  # noqa: F401
+
+op, bwd = torch.ops.adaptiveload.adaln_modulate, torch.ops.adaptiveload.adaln_modulate_backward
+g = torch.Generator(device="cuda").manual_seed(0)
+cases = [  # (B, N, D, x dtype, modulation dtype, layout, affine)
+    (2, 37, 1536, torch.bfloat16, torch.float32, "strided", False),
+    (2, 37, 1536, torch.bfloat16, torch.bfloat16, "per-token", True),
+    (1, 19, 1000, torch.float16, torch.float16, "per-sample", True),
+    (3, 5, 17, torch.float32, torch.float32, "shared", True),
+    (2, 9, 1, torch.bfloat16, torch.bfloat16, "per-token", False),
+    (1, 7, 5120, torch.float32, torch.float32, "per-sample", False),
+    (1, 3, 12288, torch.bfloat16, torch.float32, "per-sample", True),
+]
+for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
+    design = ("one_pass", "two_kernel")[i % 2]
+    os.environ["ADAPTIVELOAD_BWD"] = design
+    x = torch.randn(B, N, D, device="cuda", generator=g).to(xdt)
+    if layout == "strided":
+        scale, shift = (t.unsqueeze(1) for t in torch.randn(B, 3 * D, device="cuda", generator=g).to(mdt).chunk(3, -1)[:2])
+    elif layout == "per-token":
+        scale, shift = torch.randn(B, N, 2 * D, device="cuda", generator=g).to(mdt).chunk(2, -1)
+    elif layout == "shared":
+        scale, shift = torch.randn(2, D, device="cuda", generator=g).to(mdt).unbind(0)
+    else:
+        scale, shift = torch.randn(2, B, 1, D, device="cuda", generator=g).to(mdt).unbind(0)
+    w = torch.randn(D, device="cuda", generator=g).to(xdt) if affine else None
+    b = torch.randn(D, device="cuda", generator=g).to(xdt) if affine else None
+    y, mean, rstd = op(x, w, b, scale, shift, 1e-6, xdt)
+    grads = bwd(torch.randn_like(y), x, w, b, scale, shift, mean, rstd)
+    torch.cuda.synchronize()
+    print("ok", B, N, D, xdt, mdt, layout, affine, design, flush=True)
+PY
+status=0
+for tool in memcheck racecheck; do
+  echo "== compute-sanitizer --tool $tool"
+  compute-sanitizer --tool "$tool" --error-exitcode 3 "$PY" "$CASES" >"$LOGDIR/$tool.log" 2>&1
+  rc=$?
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGDIR/$tool.log" || tail -5 "$LOGDIR/$tool.log"
+  if [[ $rc -ne 0 ]]; then echo "sanitize: $tool FAILED (exit $rc), see $LOGDIR/$tool.log"; status=1; fi
+done
+exit $status

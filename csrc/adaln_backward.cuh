@@ -1,0 +1,350 @@
+// Backward kernels of the fused LayerNorm -> modulate op (templates; instantiated per x dtype in
+// adaln_backward_{f32,bf16,f16}.cu so the three compile in parallel).
+//
+// Gradients (x_hat = (x - mean) * rstd, g = dy * (1 + scale) * w):
+//   dx      = rstd * (g - mean_D(g) - x_hat * mean_D(g * x_hat))
+//   dshift  = sum of dy,                  dscale = sum of dy * (x_hat * w + b)   (broadcast dims)
+//   dweight = sum of dy * (1 + scale) * x_hat,   dbias = sum of dy * (1 + scale)  (all rows)
+//
+// One pass (default): a block owns a tile of whole rows of one sample (one wave of blocks), computes
+// dx row by row (the two row sums need all of D, so a row stays in registers) and accumulates fp32
+// per-column partial sums in registers, written once per block to a [3, tiles, B, D] workspace; a
+// second, small kernel reduces the workspace down the tiles, each thread owning one feature d, so a
+// warp reads 32 consecutive floats. When scale is per-sample or shared it is constant inside a
+// tile, so two partials are enough for all four gradients:
+//   P0 = sum dy * x_hat,  P1 = sum dy  ->  dscale_b = w * P0 + b * P1,  dshift_b = P1,
+//                                           dweight = sum_b (1 + scale_b) * P0,  dbias = sum_b (1 + scale_b) * P1.
+// When scale is per-token, its gradient is per element (written directly), and
+//   P0 = sum dy * (1 + s) * x_hat,  P1 = sum dy * (1 + s),  P2 = sum dy  (for a per-sample shift).
+// No atomics: every sum has a fixed order, so two runs give bit-identical gradients.
+//
+// Two kernels (the reference design, ADAPTIVELOAD_BWD=two_kernel): the row kernel computes dx only,
+// and a column kernel over (d_tile, row tile, sample) re-reads x and dy for the partials: 5 x-sized
+// tensors move instead of 3.
+#pragma once
+
+#include "adaln_modulate.cuh"
+
+namespace adaln {
+
+template <typename Tx, typename Tm, typename Tdy, int C, bool SPT>
+__global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
+  const int64_t rows_per_tile = a.rows_per_tile;
+  constexpr int VEC = 16 / sizeof(Tx);
+  __shared__ float red[2 * 2 * 32];
+  int parity = 0;
+  const int64_t tiles = a.tiles;
+  const int64_t b = blockIdx.x / tiles, tile = blockIdx.x % tiles;
+  const int64_t n0 = tile * rows_per_tile;
+  const int64_t n1 = min(a.N, n0 + rows_per_tile);
+  if (n0 >= n1) return;
+  const int D = a.D, T = blockDim.x, tid = threadIdx.x;
+  const bool al = a.aligned, accum = !a.two_kernel;
+  const Tx* __restrict__ x = static_cast<const Tx*>(a.x);
+  const Tdy* __restrict__ dy = static_cast<const Tdy*>(a.dy);
+  Tx* __restrict__ dx = static_cast<Tx*>(a.dx);
+  const Tm* __restrict__ sc = static_cast<const Tm*>(a.scale.ptr) + b * a.scale.sb;
+  Tm* __restrict__ dsc_el = static_cast<Tm*>(a.dscale_el);
+  Tm* __restrict__ dsh_el = static_cast<Tm*>(a.dshift_el);
+
+  // coef = w * (1 + scale_b) (per-sample scale) or w (per-token scale: (1 + s) comes per row),
+  // in shared memory; the column partial sums stay in registers
+  extern __shared__ float4 coef_smem[];
+  const CoefRow<VEC> coef{coef_smem}, bias_row{coef_smem + C * (VEC / 4) * blockDim.x};  // bias: SPT only
+  float p0[C][VEC], p1[C][VEC], p2[C][VEC];
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int col = (c * T + tid) * VEC;
+    float w[VEC], s[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) w[j] = 1.f, s[j] = 0.f, p0[c][j] = p1[c][j] = p2[c][j] = 0.f;
+    if (col < D) {
+      if (a.weight) load_f<float, VEC>(a.weight, col, D, al, w);
+      if (!SPT) load_f<Tm, VEC>(sc, col, D, al, s);
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) w[j] *= 1.f + s[j];
+    coef.store(c, w);
+    if (SPT) {
+      float bb[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) bb[j] = 0.f;
+      if (col < D && a.bias) load_f<float, VEC>(a.bias, col, D, al, bb);
+      bias_row.store(c, bb);
+    }
+  }
+
+  const float inv_d = 1.f / static_cast<float>(D);
+  Raw<Tx, VEC> nx[C];
+  Raw<Tdy, VEC> ndy[C];
+  Raw<Tm, VEC> ns[C];
+  float nmean = 0.f, nrstd = 0.f;
+  auto load_row = [&](int64_t n) {
+    const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int col = (c * T + tid) * VEC;
+      if (col < D) {
+        nx[c] = load_raw<Tx, VEC>(x + off, col, D, al);
+        ndy[c] = load_raw<Tdy, VEC>(dy + off, col, D, al);
+        if (SPT) ns[c] = load_raw<Tm, VEC>(sc + n * a.scale.sn, col, D, al);
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) nx[c].v[j] = from_f<Tx>(0.f), ndy[c].v[j] = from_f<Tdy>(0.f);
+        if (SPT) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) ns[c].v[j] = from_f<Tm>(0.f);
+        }
+      }
+    }
+    nmean = a.mean[b * a.N + n];
+    nrstd = a.rstd[b * a.N + n];
+  };
+  load_row(n0);
+
+  for (int64_t n = n0; n < n1; ++n) {
+    // The current row stays in its storage type (half the registers of fp32 for 16-bit types);
+    // x_hat and g are recomputed from it after the barrier instead of being held across it.
+    const float mean = nmean, rstd = nrstd;
+    Raw<Tx, VEC> cx[C];
+    Raw<Tdy, VEC> cdy[C];
+    Raw<Tm, VEC> cs[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      cx[c] = nx[c];
+      cdy[c] = ndy[c];
+      if (SPT) cs[c] = ns[c];
+    }
+    if (n + 1 < n1) load_row(n + 1);  // in flight while this row is reduced
+
+    const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
+    float sums[2] = {0.f, 0.f};
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int col = (c * T + tid) * VEC;
+      float cf[VEC], bb[VEC], ds_el[VEC], dyv[VEC];
+      coef.load(c, cf);
+      if (SPT) bias_row.load(c, bb);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float xh = (to_f<Tx>(cx[c].v[j]) - mean) * rstd;
+        const float dy_ = to_f<Tdy>(cdy[c].v[j]);  // zero outside the row, so it masks every sum
+        const float s1 = SPT ? 1.f + to_f<Tm>(cs[c].v[j]) : 1.f;
+        // __fmul_rn: no FMA contraction, so the g recomputed after the barrier is bit-identical
+        // (g - mean(g) is then exactly 0 where it should be, e.g. D = 1, where rstd = eps^-1/2)
+        const float g = __fmul_rn(__fmul_rn(dy_, s1), cf[j]);
+        sums[0] += g;
+        sums[1] += g * xh;
+        if (accum) {
+          if (!SPT) {
+            p0[c][j] += dy_ * xh;
+            p1[c][j] += dy_;
+          } else {
+            p0[c][j] += dy_ * s1 * xh;
+            p1[c][j] += dy_ * s1;
+            p2[c][j] += dy_;
+          }
+        }
+        // per-token scale: d scale = dy * (x_hat * w + b), per element (cf = w here)
+        ds_el[j] = SPT ? dy_ * (xh * cf[j] + bb[j]) : 0.f;
+        dyv[j] = dy_;
+      }
+      // Per-element gradients of per-token modulation need no row sum: stored before the barrier.
+      if (col < D) {
+        if (SPT) store_f<Tm, VEC>(dsc_el + off, col, D, al, ds_el);
+        if (dsh_el) store_f<Tm, VEC>(dsh_el + off, col, D, al, dyv);  // per-token shift: dy itself
+      }
+    }
+    block_sum<2>(sums, red, parity);
+    const float mg = sums[0] * inv_d, mgx = sums[1] * inv_d;
+
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int col = (c * T + tid) * VEC;
+      if (col >= D) continue;
+      float cf[VEC], o[VEC];
+      coef.load(c, cf);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float xh = (to_f<Tx>(cx[c].v[j]) - mean) * rstd;
+        const float s1 = SPT ? 1.f + to_f<Tm>(cs[c].v[j]) : 1.f;
+        const float g = __fmul_rn(__fmul_rn(to_f<Tdy>(cdy[c].v[j]), s1), cf[j]);
+        o[j] = rstd * (g - mg - xh * mgx);
+      }
+      store_f<Tx, VEC>(dx + off, col, D, al, o);
+    }
+  }
+
+  if (!accum) return;
+  const int64_t plane = tiles * a.B * D;
+  float* ws = a.ws + (tile * a.B + b) * static_cast<int64_t>(D);
+  const bool w0 = !SPT || a.weight, w1 = !SPT || a.bias, w2 = SPT && a.dshift_rows;
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int col = (c * T + tid) * VEC;
+    if (col >= D) continue;
+    if (w0) store_f<float, VEC>(ws, col, D, al, p0[c]);
+    if (w1) store_f<float, VEC>(ws + plane, col, D, al, p1[c]);
+    if (w2) store_f<float, VEC>(ws + 2 * plane, col, D, al, p2[c]);
+  }
+}
+
+// Reference design's column kernel: grid (ceil(D / 32), tiles, B), block (32, 8); thread (tx, ty)
+// owns feature d = 32 * blockIdx.x + tx and rows n0 + ty, n0 + ty + 8, ... of its tile, re-reading
+// x and dy; then the 8 row groups are summed in shared memory in a fixed order.
+template <typename Tx, typename Tm, typename Tdy, bool SPT>
+__global__ void __launch_bounds__(256) bwd_col_kernel(const BwdArgs a) {
+  const int64_t rows_per_tile = a.rows_per_tile;
+  __shared__ float part[3][8][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int d = blockIdx.x * 32 + tx;
+  const int64_t tile = blockIdx.y, b = blockIdx.z;
+  const int64_t n0 = tile * rows_per_tile, n1 = min(a.N, n0 + rows_per_tile);
+  const Tx* __restrict__ x = static_cast<const Tx*>(a.x);
+  const Tdy* __restrict__ dy = static_cast<const Tdy*>(a.dy);
+  const Tm* __restrict__ sc = static_cast<const Tm*>(a.scale.ptr) + b * a.scale.sb;
+  float q0 = 0.f, q1 = 0.f, q2 = 0.f;
+  if (d < a.D) {
+    for (int64_t n = n0 + ty; n < n1; n += 8) {
+      const int64_t row = b * a.N + n;
+      const float xh = (to_f<Tx>(x[row * a.D + d]) - a.mean[row]) * a.rstd[row];
+      const float g = to_f<Tdy>(dy[row * a.D + d]);
+      if (!SPT) {
+        q0 += g * xh;
+        q1 += g;
+      } else {
+        const float ds = g * (1.f + to_f<Tm>(sc[n * a.scale.sn + d]));
+        q0 += ds * xh;
+        q1 += ds;
+        q2 += g;
+      }
+    }
+  }
+  part[0][ty][tx] = q0;
+  part[1][ty][tx] = q1;
+  part[2][ty][tx] = q2;
+  __syncthreads();
+  if (ty == 0 && d < a.D) {
+    float r0 = 0.f, r1 = 0.f, r2 = 0.f;
+    for (int k = 0; k < 8; ++k) r0 += part[0][k][tx], r1 += part[1][k][tx], r2 += part[2][k][tx];
+    const int64_t plane = a.tiles * a.B * a.D;
+    float* ws = a.ws + (tile * a.B + b) * a.D + d;
+    ws[0] = r0;
+    ws[plane] = r1;
+    ws[2 * plane] = r2;
+  }
+}
+
+// Final column reduction: grid ceil(D / 32), block (32, 16). Thread (tx, ty) owns feature
+// d = 32 * blockIdx.x + tx and sums tiles ty, ty + 16, ... of each sample; the 16 partial sums
+// are then added in a fixed order. Writes per-sample rows of dscale/dshift and the dweight/dbias
+// totals (fp32).
+template <typename Tm, bool SPT>
+__global__ void __launch_bounds__(512) bwd_reduce_kernel(const BwdArgs a) {
+  __shared__ float part[3][16][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int d = blockIdx.x * 32 + tx;
+  const int64_t plane = a.tiles * a.B * a.D;
+  const bool r0 = !SPT || a.weight, r1 = !SPT || a.bias, r2 = SPT && a.dshift_rows;
+  const Tm* sc = static_cast<const Tm*>(a.scale.ptr);
+  const float w = (a.weight && d < a.D) ? a.weight[d] : 1.f;
+  const float bb = (a.bias && d < a.D) ? a.bias[d] : 0.f;
+  float dw = 0.f, db = 0.f;
+  for (int64_t b = 0; b < a.B; ++b) {
+    float q0 = 0.f, q1 = 0.f, q2 = 0.f;
+    if (d < a.D) {
+      for (int64_t t = ty; t < a.tiles; t += 16) {
+        const float* ws = a.ws + (t * a.B + b) * a.D + d;
+        if (r0) q0 += ws[0];
+        if (r1) q1 += ws[plane];
+        if (r2) q2 += ws[2 * plane];
+      }
+    }
+    part[0][ty][tx] = q0;
+    part[1][ty][tx] = q1;
+    part[2][ty][tx] = q2;
+    __syncthreads();
+    if (ty == 0 && d < a.D) {
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f;
+      for (int k = 0; k < 16; ++k) s0 += part[0][k][tx], s1 += part[1][k][tx], s2 += part[2][k][tx];
+      if (!SPT) {
+        const float f = 1.f + to_f<Tm>(sc[b * a.scale.sb + d]);
+        a.dscale_rows[b * a.D + d] = w * s0 + bb * s1;
+        if (a.dshift_rows) a.dshift_rows[b * a.D + d] = s1;
+        dw += f * s0;
+        db += f * s1;
+      } else {
+        dw += s0;
+        db += s1;
+        if (a.dshift_rows) a.dshift_rows[b * a.D + d] = s2;
+      }
+    }
+    __syncthreads();
+  }
+  if (ty == 0 && d < a.D) {
+    if (a.dweight) a.dweight[d] = dw;
+    if (a.dbias) a.dbias[d] = db;
+  }
+}
+
+template <typename Tx, typename Tm, typename Tdy, int C, bool SPT>
+struct BwdKernels {
+  static size_t smem(const BwdArgs& a, int threads) { return coef_smem_bytes(SPT ? 2 : 1, C, threads, a.xt); }
+  static void plan(BwdArgs& a, int threads) {
+    one_wave(bwd_row_kernel<Tx, Tm, Tdy, C, SPT>, threads, smem(a, threads), a.B, a.N, a.tiles, a.rows_per_tile);
+  }
+  static void launch(const BwdArgs& a, int threads, cudaStream_t stream) {
+    bwd_row_kernel<Tx, Tm, Tdy, C, SPT><<<static_cast<unsigned>(a.B * a.tiles), threads, smem(a, threads), stream>>>(a);
+    if (a.two_kernel) {
+      dim3 grid((a.D + 31) / 32, static_cast<unsigned>(a.tiles), static_cast<unsigned>(a.B));
+      bwd_col_kernel<Tx, Tm, Tdy, SPT><<<grid, dim3(32, 8), 0, stream>>>(a);
+    }
+    bwd_reduce_kernel<Tm, SPT><<<(a.D + 31) / 32, dim3(32, 16), 0, stream>>>(a);
+  }
+};
+
+// plan (launch == false) or launch the backward for a chunk count known at run time
+template <typename Tx, typename Tm, typename Tdy, bool SPT>
+void bwd_run(BwdArgs& a, bool launch, cudaStream_t stream) {
+  const RowShape rs = row_shape(a.D, a.xt, a.max_threads);
+  switch (rs.chunks) {
+    case 1: launch ? BwdKernels<Tx, Tm, Tdy, 1, SPT>::launch(a, rs.threads, stream)
+                   : BwdKernels<Tx, Tm, Tdy, 1, SPT>::plan(a, rs.threads); break;
+    case 2: launch ? BwdKernels<Tx, Tm, Tdy, 2, SPT>::launch(a, rs.threads, stream)
+                   : BwdKernels<Tx, Tm, Tdy, 2, SPT>::plan(a, rs.threads); break;
+    case 4: launch ? BwdKernels<Tx, Tm, Tdy, 4, SPT>::launch(a, rs.threads, stream)
+                   : BwdKernels<Tx, Tm, Tdy, 4, SPT>::plan(a, rs.threads); break;
+    default: launch ? BwdKernels<Tx, Tm, Tdy, 8, SPT>::launch(a, rs.threads, stream)
+                    : BwdKernels<Tx, Tm, Tdy, 8, SPT>::plan(a, rs.threads); break;
+  }
+}
+
+// Dispatch on (modulation dtype, dy dtype) for one x dtype: each is x's dtype or fp32.
+template <typename Tx>
+struct BwdForX {
+  template <typename F>
+  static void dispatch(const BwdArgs& a, const F& f) {
+    const bool m32 = a.mt == DType::F32, d32 = a.dyt == DType::F32, spt = a.scale.sn != 0;
+    auto by_spt = [&](auto tm, auto tdy) {
+      using Tm = typename decltype(tm)::type;
+      using Tdy = typename decltype(tdy)::type;
+      if (spt) f.template operator()<Tx, Tm, Tdy, true>();
+      else f.template operator()<Tx, Tm, Tdy, false>();
+    };
+    struct XTag { using type = Tx; };
+    if (m32 && d32) by_spt(F32Tag{}, F32Tag{});
+    else if (m32) by_spt(F32Tag{}, XTag{});
+    else if (d32) by_spt(XTag{}, F32Tag{});
+    else by_spt(XTag{}, XTag{});
+  }
+};
+
+struct RunOp {
+  BwdArgs& a;
+  bool launch;
+  cudaStream_t stream;
+  template <typename Tx, typename Tm, typename Tdy, bool SPT>
+  void operator()() const { bwd_run<Tx, Tm, Tdy, SPT>(a, launch, stream); }
+};
+
+}  // namespace adaln

@@ -1,0 +1,273 @@
+// Fused LayerNorm -> adaptive modulation: kernel arguments, launcher declarations and the device
+// helpers shared by the forward and backward kernels.
+//
+//   y = (x_hat * w + b) * (1 + scale) + shift,   x_hat = (x - mean) * rstd   (one row = D features)
+//
+// x is viewed as [B, N, D] (row-major, contiguous); a modulation tensor is addressed as
+//   ptr + batch * sb + token * sn + d        (element strides; sb = 0 when its batch is 1 or it is
+// shared, sn = 0 when it is per-sample or shared), so a strided .chunk() view needs no copy.
+// This header holds no torch types: the .cu files that include it compile fast and in parallel.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+namespace adaln {
+
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+// A block has at most kMaxThreads threads (so each may use up to 128 registers: the row and the
+// next row's prefetch stay in registers) and each thread owns at most kMaxChunks 16-byte groups of
+// a row. Rows up to kMaxFeatures wide take the kernels (their per-column coefficients, 4 or 8 bytes
+// per feature, fit in shared memory); wider rows use the reference path.
+constexpr int kMaxChunks = 8;
+constexpr int kMaxThreads = 512;
+constexpr int kMaxFeatures = 16384;
+
+struct ModView {
+  const void* ptr = nullptr;  // nullptr: absent (shift only)
+  int64_t sb = 0;             // batch stride in elements (0: one row for every sample)
+  int64_t sn = 0;             // token stride in elements (0: the same row for every token)
+};
+
+struct FwdArgs {
+  const void* x = nullptr;  // [B, N, D], dtype xt
+  void* y = nullptr;        // [B, N, D], dtype ot
+  float* mean = nullptr;    // [B * N]
+  float* rstd = nullptr;    // [B * N]
+  const float* weight = nullptr;  // [D] or nullptr
+  const float* bias = nullptr;    // [D] or nullptr
+  ModView scale, shift;           // dtype mt
+  int64_t B = 0, N = 0;
+  int D = 0;
+  float eps = 0.f;
+  DType xt = DType::F32, mt = DType::F32, ot = DType::F32;
+  bool aligned = false;  // every row start and modulation row is 16-byte aligned and D % VEC == 0
+  int max_threads = kMaxThreads;  // threads-per-block cap (tuning knob; fewer threads, more chunks)
+};
+
+struct BwdArgs {
+  const void* dy = nullptr;  // [B, N, D], dtype dyt
+  const void* x = nullptr;   // [B, N, D], dtype xt
+  const float* mean = nullptr;
+  const float* rstd = nullptr;
+  const float* weight = nullptr;
+  const float* bias = nullptr;
+  ModView scale, shift;  // dtype mt
+  void* dx = nullptr;    // [B, N, D], dtype xt
+  // Per-token modulation: its gradient is per element ([B, N, D], dtype mt), written directly.
+  void* dscale_el = nullptr;  // non-null iff scale is per-token
+  void* dshift_el = nullptr;  // non-null iff shift is per-token
+  // Workspace of fp32 per-column partial sums: 3 planes of [tiles, B, D].
+  float* ws = nullptr;
+  // Outputs of the final column reduction (fp32): per-sample-row sums [B, D] and [D] totals.
+  float* dscale_rows = nullptr;  // non-null iff scale is reduced (per-sample or shared)
+  float* dshift_rows = nullptr;  // non-null iff shift is present and reduced
+  float* dweight = nullptr;      // non-null iff weight is given
+  float* dbias = nullptr;        // non-null iff bias is given
+  int64_t B = 0, N = 0;
+  int D = 0;
+  int64_t tiles = 0;          // row tiles per sample and rows per tile, set by backward_plan
+  int64_t rows_per_tile = 0;
+  DType xt = DType::F32, mt = DType::F32, dyt = DType::F32;
+  bool aligned = false;
+  bool two_kernel = false;  // reference design: dx kernel + column kernel re-reading x and dy
+  int max_threads = kMaxThreads;
+};
+
+// Threads per block and 16-byte chunks per thread for a row of D elements of x's dtype.
+struct RowShape {
+  int threads;
+  int chunks;
+};
+RowShape row_shape(int D, DType xt, int max_threads);
+int max_features(DType xt);
+
+void launch_forward(const FwdArgs& a, cudaStream_t stream);
+int num_sms();  // of the current device
+// Sets a.tiles and a.rows_per_tile (one wave of blocks; sizes the [3, tiles, B, D] workspace).
+void backward_plan(BwdArgs& a);
+void launch_backward(const BwdArgs& a, cudaStream_t stream);
+// Per-x-dtype entry points, defined in adaln_backward_{f32,bf16,f16}.cu.
+// launch == false: only set a.tiles and a.rows_per_tile.
+void run_backward_f32(BwdArgs& a, bool launch, cudaStream_t stream);
+void run_backward_bf16(BwdArgs& a, bool launch, cudaStream_t stream);
+void run_backward_f16(BwdArgs& a, bool launch, cudaStream_t stream);
+
+
+// Split N rows per sample into tiles so that B * tiles blocks fill the GPU once (blocks per SM from
+// the occupancy calculator): every block then streams many rows, and the per-block costs (loading
+// the modulation row, writing column partials) are paid once per SM slot rather than per row.
+template <typename Kernel>
+void one_wave(Kernel kernel, int threads, size_t smem, int64_t B, int64_t N, int64_t& tiles, int64_t& rows_per_tile) {
+  // above 48 KB of dynamic + static shared memory a kernel must opt in (static: < 1 KB here),
+  // done once with the occupancy query below
+  // the occupancy query costs microseconds: cache it per (kernel, threads, smem, device)
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, size_t, int>, int> cache;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, smem, dev);
+  int per_sm = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) per_sm = it->second;
+  }
+  if (per_sm == 0) {
+    if (smem > 47 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess || per_sm < 1) {
+      (void)cudaGetLastError();
+      per_sm = 1;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    cache[key] = per_sm;
+  }
+  const int64_t target = static_cast<int64_t>(num_sms()) * per_sm;
+  tiles = (target + B - 1) / B;
+  tiles = tiles < 1 ? 1 : (tiles > N ? N : tiles);
+  rows_per_tile = (N + tiles - 1) / tiles;
+  tiles = (N + rows_per_tile - 1) / rows_per_tile;  // no empty tiles
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers
+
+template <typename T>
+__device__ __forceinline__ float to_f(T v);
+template <>
+__device__ __forceinline__ float to_f<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+
+// VEC consecutive elements of T, kept in their storage type (half the registers of floats for
+// 16-bit types). VEC * sizeof(T) is a multiple of 16 bytes for every type used here.
+template <typename T, int VEC>
+struct alignas(16) Raw {
+  T v[VEC];
+};
+
+// Load VEC elements starting at column `col` of row pointer p: one or two 16-byte loads when the
+// row is aligned (then the whole group is in bounds), else element by element with a bounds
+// check (out-of-range elements read as zero).
+template <typename T, int VEC>
+__device__ __forceinline__ Raw<T, VEC> load_raw(const T* __restrict__ p, int col, int D, bool aligned) {
+  Raw<T, VEC> r;
+  if (aligned) {
+    constexpr int kWords = VEC * sizeof(T) / 16;
+    const uint4* src = reinterpret_cast<const uint4*>(p + col);
+    uint4* dst = reinterpret_cast<uint4*>(&r);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) dst[i] = src[i];
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) r.v[j] = (col + j < D) ? p[col + j] : from_f<T>(0.f);
+  }
+  return r;
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void load_f(const T* __restrict__ p, int col, int D, bool aligned, float (&out)[VEC]) {
+  Raw<T, VEC> r = load_raw<T, VEC>(p, col, D, aligned);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) out[j] = to_f<T>(r.v[j]);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_f(T* __restrict__ p, int col, int D, bool aligned, const float (&in)[VEC]) {
+  Raw<T, VEC> r;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) r.v[j] = from_f<T>(in[j]);
+  if (aligned) {
+    constexpr int kWords = VEC * sizeof(T) / 16;
+    uint4* dst = reinterpret_cast<uint4*>(p + col);
+    const uint4* src = reinterpret_cast<const uint4*>(&r);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) dst[i] = src[i];
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      if (col + j < D) p[col + j] = r.v[j];
+  }
+}
+
+// Sum NV values over the whole block; every thread gets the totals. Deterministic: a fixed
+// butterfly inside each warp, then lane w of every warp reads warp w's partial and the same
+// butterfly again. `red` holds 2 * NV * 32 floats; `parity` alternates its halves so one
+// __syncthreads per call suffices (a half is rewritten only two calls later, after every thread
+// has passed the barrier of the call in between).
+template <int NV>
+__device__ __forceinline__ void block_sum(float (&v)[NV], float* red, int& parity) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k)
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v[k] += __shfl_xor_sync(0xffffffffu, v[k], off);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  float* buf = red + parity * NV * 32;
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k < NV; ++k) buf[k * 32 + warp] = v[k];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    float s = lane < nwarps ? buf[k * 32 + lane] : 0.f;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    v[k] = s;
+  }
+  parity ^= 1;
+}
+
+// Per-column fp32 coefficients of the row a thread owns, in shared memory instead of registers (so
+// more rows are in flight per SM). Layout [chunk][VEC / 4][threads] of float4: the lanes of a warp
+// read consecutive float4s (no bank conflicts). A thread reads back only what it wrote itself, so
+// no barrier is needed between the store and the loads.
+template <int VEC>
+struct CoefRow {
+  float4* base;
+  __device__ __forceinline__ float4* at(int c, int q) const {
+    return base + (c * (VEC / 4) + q) * static_cast<int>(blockDim.x) + threadIdx.x;
+  }
+  __device__ __forceinline__ void store(int c, const float (&v)[VEC]) const {
+#pragma unroll
+    for (int q = 0; q < VEC / 4; ++q) *at(c, q) = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+  }
+  __device__ __forceinline__ void load(int c, float (&v)[VEC]) const {
+#pragma unroll
+    for (int q = 0; q < VEC / 4; ++q) {
+      const float4 f = *at(c, q);
+      v[4 * q] = f.x, v[4 * q + 1] = f.y, v[4 * q + 2] = f.z, v[4 * q + 3] = f.w;
+    }
+  }
+};
+
+// Dynamic shared memory of `arrays` coefficient rows for a block of rs.threads threads.
+inline size_t coef_smem_bytes(int arrays, int chunks, int threads, DType xt) {
+  const int vec = xt == DType::F32 ? 4 : 8;
+  return static_cast<size_t>(arrays) * chunks * vec * threads * sizeof(float);
+}
+
+// Call f(tag) with tag's `type` the C++ element type of d.
+struct F32Tag { using type = float; };
+struct BF16Tag { using type = __nv_bfloat16; };
+struct F16Tag { using type = __half; };
+
+}  // namespace adaln

@@ -1,0 +1,130 @@
+"""Tests of the kernels' JIT build plumbing: source discovery, cache keys, the file lock, the
+one-time fallback warning, ADAPTIVELOAD_REQUIRE_KERNEL, and the no-atomics rule for csrc/."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaptiveload.ops import extension
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """The extension module with no build attempted yet (restored afterwards)."""
+    monkeypatch.setattr(extension, "_module", None)
+    monkeypatch.setattr(extension, "_failure", None)
+    return extension
+
+
+def test_no_atomics_in_csrc():
+    """Gradients must be bit-reproducible: no atomicAdd (or any atomic) anywhere in the kernels."""
+    src = extension.source_dir()
+    files = sorted(src.iterdir())
+    assert any(f.suffix == ".cu" for f in files)
+    offenders = [f.name for f in files if re.search(r"\batomic\w*\s*\(", f.read_text())]
+    assert offenders == []
+
+
+def test_source_dir_is_the_checkout_csrc():
+    assert extension.source_dir() == Path(__file__).resolve().parents[2] / "csrc"
+
+
+def test_cache_dir_is_keyed_by_torch_cuda_arch_and_sources(monkeypatch, tmp_path):
+    monkeypatch.setenv("ADAPTIVELOAD_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    path = extension.cache_dir()
+    assert path.parent == tmp_path
+    assert "sm90" in path.name and f"cu{torch.version.cuda}" in path.name
+    assert torch.__version__.replace("+", "_") in path.name
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+    assert extension.cache_dir() != path
+
+
+def test_arch_list_needs_a_device_or_the_env(monkeypatch):
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="TORCH_CUDA_ARCH_LIST"):
+        extension.arch_list()
+
+
+def test_unavailable_kernels_warn_once_and_return_none(fresh, monkeypatch):
+    monkeypatch.delenv("ADAPTIVELOAD_REQUIRE_KERNEL", raising=False)
+
+    def broken(verbose=False):
+        raise RuntimeError("nvcc not found (test)")
+
+    monkeypatch.setattr(extension, "_build", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert extension.kernels() is None
+        assert extension.kernels() is None
+    messages = [str(w.message) for w in caught if "adaptiveload" in str(w.message)]
+    assert len(messages) == 1 and "nvcc not found (test)" in messages[0]
+
+
+def test_require_kernel_turns_the_fallback_into_an_error(fresh, monkeypatch):
+    monkeypatch.setenv("ADAPTIVELOAD_REQUIRE_KERNEL", "1")
+    monkeypatch.setattr(extension, "_build", lambda verbose=False: (_ for _ in ()).throw(RuntimeError("no nvcc")))
+    with pytest.raises(RuntimeError, match="no nvcc"):
+        extension.kernels()
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the CPU-only torch message")
+def test_build_without_cuda_torch_says_why(fresh, monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    with pytest.raises(RuntimeError, match="without CUDA"):
+        extension.build()
+
+
+def test_build_removes_a_stale_baton_under_the_lock(fresh, monkeypatch, tmp_path):
+    """torch's own baton file left by a killed builder would make cpp_extension.load wait forever."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("ADAPTIVELOAD_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
+    out = extension.cache_dir()
+    out.mkdir(parents=True)
+    (out / "lock").write_text("")
+    calls = {}
+
+    def fake_load(name, sources, build_directory, **kwargs):
+        calls["baton_gone"] = not (Path(build_directory) / "lock").exists()
+        calls["sources"] = sorted(Path(s).name for s in sources)
+        calls["arch"] = os.environ["TORCH_CUDA_ARCH_LIST"]
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert extension.build() == out
+    assert calls["baton_gone"] and calls["arch"] == "9.0"
+    assert calls["sources"] == sorted(p.name for p in extension.source_dir().glob("*.cu"))
+
+
+def test_file_lock_is_released_when_its_holder_is_killed(tmp_path):
+    lock = tmp_path / "adaptiveload.lock"
+    hold = (
+        "import time, pathlib; from adaptiveload.ops import extension; "
+        f"held = extension._file_lock(pathlib.Path({str(lock)!r})); held.__enter__(); print('held', flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        probe = [sys.executable, "-c",
+                 f"import fcntl; f = open({str(lock)!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)"]
+        assert subprocess.run(probe, capture_output=True).returncode != 0  # held by the other process
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(30)
+        with extension._file_lock(lock):  # would block forever if the lock outlived its holder
+            pass
+    finally:
+        if holder.poll() is None:
+            holder.kill()

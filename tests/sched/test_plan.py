@@ -1,0 +1,122 @@
+"""Planning (adaptiveload/sched/plan.py): throughput formulas, the budget search, plan files, from_plan."""
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from adaptiveload.sched import Calibration, DualConstraintBucketSampler, Manifest, Plan, make_plan, reference_mix
+from adaptiveload.sched.cost_model import QuadraticCostModel
+from adaptiveload.sched.plan import batch_mix, predicted_throughput, rule_batch_sizes
+from adaptiveload.sched.presets import load_calibration
+
+COST = QuadraticCostModel(18.75e-3, 7.16e-6, 3.957e-10)
+GIB = 2**30
+
+
+def _expand(seq, counts, b):
+    """Every batch of an epoch as (tokens, cost), one list entry per batch."""
+    out = []
+    for s, n, bs in zip(seq, counts, b):
+        for start in range(0, n, bs):
+            size = min(bs, n - start)
+            out.append((size * s, float(COST.predict(size, s))))
+    return out
+
+
+def test_batch_mix_counts_full_and_partial_batches():
+    bucket, size, mult = batch_mix(np.array([10, 4, 7]), np.array([3, 4, 0]))
+    assert sorted(zip(bucket.tolist(), size.tolist(), mult.tolist())) == [(0, 1, 1), (0, 3, 3), (1, 4, 1)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_random_policy_expectation_matches_enumeration(world):
+    seq, counts, b = np.array([1560, 32760, 75600]), np.array([7, 5, 3]), np.array([20, 2, 1])
+    batches = _expand(seq, counts, b)
+    # independent draws: enumerate every W-tuple of batches (uniform over batches)
+    maxima = [max(c for _, c in combo) for combo in itertools.product(batches, repeat=world)]
+    tokens = np.mean([t for t, _ in batches]) * world
+    got = predicted_throughput(COST, seq, counts, b, world, "random")
+    assert got["step_time_s"] == pytest.approx(np.mean(maxima), rel=1e-12)
+    assert got["tokens_per_s"] == pytest.approx(tokens / np.mean(maxima), rel=1e-12)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 5])
+def test_cost_grouped_matches_explicit_grouping(world):
+    seq, counts, b = np.array([1560, 4680, 32760, 75600]), np.array([50, 31, 9, 4]), np.array([20, 6, 2, 1])
+    batches = sorted(_expand(seq, counts, b), key=lambda x: x[1])
+    groups = [batches[i:i + world] for i in range(0, len(batches), world)]
+    step_sum = sum(max(c for _, c in g) for g in groups)
+    got = predicted_throughput(COST, seq, counts, b, world, "cost_grouped")
+    assert got["tokens_per_s"] == pytest.approx(sum(t for t, _ in batches) / step_sum, rel=1e-12)
+    assert got["step_time_s"] == pytest.approx(step_sum / len(groups), rel=1e-12)
+
+
+def _calibration(cost=COST):
+    return Calibration([], cost, None, {}, "test")
+
+
+def test_search_beats_every_budget_on_a_fine_grid():
+    m = reference_mix(20_000, seed=1)
+    plan = make_plan(m, _calibration(), 8, m_mem=151200)
+    seq = np.array([r["seq_len"] for r in plan.buckets])
+    counts = np.array([r["num_samples"] for r in plan.buckets])
+    best = plan.predicted["tokens_per_s"]
+    for budget in [*np.geomspace(0.05, 10.0, 400), None]:
+        b = rule_batch_sizes(COST, seq, 151200, budget)
+        assert predicted_throughput(COST, seq, counts, b, 8, "random")["tokens_per_s"] <= best * (1 + 1e-9)
+    assert plan.predicted["speedup"] > 1.2  # ANCHORS section 3 regime at W = 8
+    assert plan.predicted["equal_token_idle"] == pytest.approx(0.37, abs=0.03)
+    # table rows follow the rule
+    assert [r["batch_size"] for r in plan.buckets] == rule_batch_sizes(COST, seq, plan.m_mem, plan.step_budget_s).tolist()
+    assert [r["equal_token_batch_size"] for r in plan.buckets] == (151200 // seq).tolist()
+    assert sum(r["share_of_steps"] for r in plan.buckets) == pytest.approx(1.0)
+
+
+def test_memory_limit_from_memory_model_and_oversized():
+    m = Manifest.from_pixels([1, 81, 81, 81], [480, 480, 720, 720], [832, 832, 1280, 1280])
+    cal = load_calibration("anchors-wan1.3b")
+    with pytest.raises(ValueError, match=r"latent \(21, 90, 160\) S=75,600 \(2 samples\).*--drop-oversized"):
+        make_plan(m, cal, 2, memory_budget_bytes=48 * GIB)  # ~37k tokens fit: the 720p clips do not
+    plan = make_plan(m, cal, 2, memory_budget_bytes=48 * GIB, drop_oversized=True)
+    assert plan.dropped == [{"key": [21, 90, 160], "seq_len": 75600, "num_samples": 2}]
+    assert plan.m_mem_limit == cal.memory_model.max_tokens(48 * GIB, safety=0.9)
+    sampler = DualConstraintBucketSampler.from_plan(plan, m.latent_shapes, num_replicas=2, rank=0)
+    assert sorted(i for r in range(2) for batch in DualConstraintBucketSampler.from_plan(
+        plan, m.latent_shapes, num_replicas=2, rank=r) for i in batch) == [0, 1]
+    assert sampler.dropped_buckets.size == 1
+    # without a budget: the largest B*S the calibration ran
+    plan = make_plan(Manifest.from_seq_lens([1560, 9360]), cal, 1)
+    assert plan.m_mem_limit == 37440
+    with pytest.raises(ValueError, match="no memory limit"):
+        make_plan(Manifest.from_seq_lens([1560]), _calibration(), 1)
+
+
+def test_plan_file_round_trip_and_from_plan(tmp_path):
+    m = reference_mix(5000, seed=3)
+    plan = make_plan(m, _calibration(), 4, m_mem=151200, policy="cost_grouped")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    back = Plan.load(path)
+    assert back.to_json() == json.loads(json.dumps(plan.to_json()))
+    sampler = DualConstraintBucketSampler.from_plan(back, m.latent_shapes, num_replicas=4, rank=1)
+    assert sampler.policy == "cost_grouped"
+    table = {tuple(r["key"]): r["batch_size"] for r in plan.buckets}
+    assert {tuple(k): int(b) for k, b in zip(sampler.bucket_keys.tolist(), sampler.bucket_batch_sizes)} == table
+    text = plan.format_table()
+    assert "eq-tok B" in text and "speedup" in text
+    with pytest.raises(FileNotFoundError):
+        Plan.load(tmp_path / "none.json")
+    path.write_text('{"format": "adaptiveload.plan", "version": 1}')
+    with pytest.raises(ValueError, match="missing field 'world_size'"):
+        Plan.load(path)
+
+
+def test_bad_arguments():
+    m = Manifest.from_seq_lens([100, 200])
+    with pytest.raises(ValueError, match="Invalid world_size 0"):
+        make_plan(m, _calibration(), 0, m_mem=1000)
+    with pytest.raises(ValueError, match="Invalid policy"):
+        make_plan(m, _calibration(), 1, m_mem=1000, policy="greedy")
+    with pytest.raises(ValueError, match="every bucket"):
+        make_plan(m, _calibration(), 1, m_mem=50, drop_oversized=True)

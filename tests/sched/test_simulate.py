@@ -1,0 +1,54 @@
+"""Cluster simulation (adaptiveload/sched/simulate.py)."""
+import numpy as np
+import pytest
+
+from adaptiveload.sched import reference_mix
+from adaptiveload.sched.presets import load_calibration
+from adaptiveload.sched.simulate import format_results, load_metrics, simulate
+
+
+def test_load_metrics_by_hand():
+    costs = np.array([[1.0, 3.0], [2.0, 2.0]])
+    tokens = np.array([[10, 30], [20, 20]])
+    m = load_metrics(costs, tokens)
+    assert m["cv"] == pytest.approx((0.5 + 0.0) / 2)  # std/mean: step 1 = 1/2, step 2 = 0
+    assert m["idle"] == pytest.approx(((1 - 2 / 3) + 0.0) / 2)
+    assert m["tokens_per_s"] == pytest.approx(80 / (3 + 2))
+    assert m["step_time_mean_s"] == pytest.approx(2.5) and m["step_time_cv"] == pytest.approx(0.5 / 2.5)
+    assert m["steps"] == 2
+    with pytest.raises(ValueError, match="at least one step"):
+        load_metrics(np.zeros((0, 2)), np.zeros((0, 2)))
+
+
+def test_noise_free_truth_equals_the_plan_model():
+    m = reference_mix(5000, seed=1)
+    cal = load_calibration("anchors-wan1.3b")
+    for r in simulate(m, cal, 4, m_mem=151200, truth_noise=0.0):
+        assert r.truth_metrics == r.plan_metrics
+
+
+def test_reference_mix_targets_at_w8():
+    """ANCHORS section 3 / issue 4 targets, truth = the quadratic model with 5% noise."""
+    m = reference_mix(200_000, seed=0)
+    cal = load_calibration("anchors-wan1.3b")
+    res = {r.policy: r for r in simulate(m, cal, 8, m_mem=151200, truth_noise=0.05)}
+    eq, dual, grouped = (res[p].truth_metrics for p in ("equal-token", "dual-constraint", "cost-grouped"))
+    assert 0.34 <= eq["cv"] <= 0.40
+    assert dual["cv"] <= 0.19 and dual["tokens_per_s"] >= 1.20 * eq["tokens_per_s"]
+    assert grouped["cv"] <= 0.07 and grouped["tokens_per_s"] >= 1.5 * eq["tokens_per_s"]
+    # the noise costs something: truth throughput is below the plan model's for the balanced policies
+    assert grouped["tokens_per_s"] < res["cost-grouped"].plan_metrics["tokens_per_s"]
+    # every sample trained at least once: tokens in the replay >= tokens in the manifest
+    assert res["equal-token"].plan_metrics["steps"] > 0
+    text = format_results(list(res.values()))
+    assert "cost-grouped" in text and "vs eq-tok" in text
+
+
+def test_truth_from_another_model_and_bad_policy():
+    m = reference_mix(3000, seed=2)
+    cal = load_calibration("anchors-wan1.3b-power")
+    truth = load_calibration("anchors-wan1.3b").cost_model
+    (r,) = simulate(m, cal, 2, policies=("dual-constraint",), truth_model=truth, truth_noise=0.0, m_mem=151200)
+    assert r.truth_metrics["tokens_per_s"] != r.plan_metrics["tokens_per_s"]
+    with pytest.raises(ValueError, match="unknown simulation policy 'fast'"):
+        simulate(m, cal, 2, policies=("fast",), m_mem=151200)

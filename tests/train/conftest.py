@@ -1,0 +1,48 @@
+"""Helpers for the train tests: run the CLI or a script in fresh processes (one, or two under torchrun)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.abspath(__file__))  # faulty_model.py lives here
+    env["PYTHONPATH"] = os.pathsep.join([REPO, here, env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _run(cmd, timeout):
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO)
+    return proc
+
+
+@pytest.fixture
+def run_cli():
+    """``run_cli(*args, nproc=1, timeout=...)`` -> CompletedProcess of ``adaptiveload ARGS`` (torchrun when nproc > 1)."""
+
+    def run(*args, nproc: int = 1, timeout: float = 240):
+        if nproc == 1:
+            cmd = [sys.executable, "-m", "adaptiveload", *map(str, args)]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   "-m", "adaptiveload", *map(str, args)]
+        return _run(cmd, timeout)
+
+    return run
+
+
+@pytest.fixture
+def run_script():
+    """``run_script(path, *args, nproc=2, timeout=...)`` -> CompletedProcess of a Python script under torchrun."""
+
+    def run(path, *args, nproc: int = 2, timeout: float = 240):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(path), *map(str, args)]
+        return _run(cmd, timeout)
+
+    return run

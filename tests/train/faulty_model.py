@@ -1,0 +1,43 @@
+"""Model factories for fault tests (``--model faulty_model:NAME`` with tests/train on PYTHONPATH):
+the tiny Wan DiT that raises, on some ranks, for some batch shapes -- a stand-in for a GPU running
+out of memory in a long bucket."""
+import torch
+import torch.distributed as dist
+
+from adaptiveload.models import WanDiT
+from adaptiveload.models.config import PRESETS
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class FaultyDiT(WanDiT):
+    def __init__(self, fails):
+        super().__init__(PRESETS["tiny"])
+        self.fails = fails
+
+    def forward(self, latents, timestep, context):
+        tokens = latents.shape[0] * latents.shape[2] * (latents.shape[3] // 2) * (latents.shape[4] // 2)
+        error = self.fails(_rank(), latents.shape[0], tokens, tuple(latents.shape[2:]))
+        if error is not None:
+            raise error
+        return super().forward(latents, timestep, context)
+
+
+def oom_on_rank1_long_videos():
+    """Rank 1 runs out of memory on batches of two or more clips of 13 or more latent frames."""
+    return FaultyDiT(lambda rank, b, tokens, shape: torch.OutOfMemoryError("simulated: out of memory")
+                     if rank == 1 and shape[0] >= 13 and b >= 2 else None)
+
+
+def error_on_rank1_after_first_shape():
+    """Rank 1 fails (not out of memory) on every batch of more than 18 tokens per sample."""
+    return FaultyDiT(lambda rank, b, tokens, shape: RuntimeError("simulated: device lost")
+                     if rank == 1 and tokens // b > 18 else None)
+
+
+def oom_over_1000_tokens():
+    """Every rank runs out of memory above 1000 tokens per batch (a real memory limit)."""
+    return FaultyDiT(lambda rank, b, tokens, shape: torch.OutOfMemoryError("simulated: out of memory")
+                     if tokens > 1000 else None)

@@ -1,0 +1,161 @@
+"""The ``adaptiveload train`` job end to end: the CPU default run (short), two ranks under torchrun,
+kill-and-resume, an out-of-memory bucket on one rank, and bad input."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+
+SHORT = ("--samples", "48", "--steps", "6", "--eval-every", "3", "--profile-every", "2", "--quiet")
+
+
+def _results(out):
+    return json.loads((out / "results.json").read_text())
+
+
+def _check_run(run, world_size, steps):
+    assert run["status"] == "ok" and run["error"] is None
+    assert run["steps"] == steps == len(run["history"])
+    assert run["world_size"] == world_size
+    history = run["history"]
+    assert [h["step"] for h in history] == list(range(steps))
+    for h in history:  # every rank reported every step
+        assert len(h["batch_sizes"]) == len(h["seq_lens"]) == len(h["indices"]) == world_size
+        assert [len(i) for i in h["indices"]] == h["batch_sizes"]
+        assert h["global_samples"] == sum(h["batch_sizes"])
+        assert h["global_tokens"] == sum(b * s for b, s in zip(h["batch_sizes"], h["seq_lens"]))
+        assert h["step_time_s"] > 0 and math.isfinite(h["loss"]) and h["loss"] > 0
+    assert run["samples"] == sum(h["global_samples"] for h in history)
+    assert run["tokens"] == sum(h["global_tokens"] for h in history)
+    assert run["wall_time_s"] == pytest.approx(sum(h["step_time_s"] for h in history))
+    assert run["tokens_per_s"] == pytest.approx(run["tokens"] / run["wall_time_s"])
+    assert run["step_time_s"]["min"] <= run["step_time_s"]["median"] <= run["step_time_s"]["max"]
+    profiled = [h["busy_s"] for h in history if h["busy_s"] is not None]
+    assert len(profiled) == run["profiled_steps"] == len(range(0, steps, 2))
+    assert len(run["busy_time_s_per_rank"]) == world_size and all(b > 0 for b in run["busy_time_s_per_rank"])
+    busy = np.array(profiled)
+    cv = np.mean(busy.std(axis=1) / busy.mean(axis=1))
+    idle = np.mean(1 - busy.mean(axis=1) / busy.max(axis=1))
+    assert run["compute_load_cv"] == pytest.approx(cv) and run["idle_fraction"] == pytest.approx(idle)
+    assert run["peak_memory_bytes_per_rank"] is None  # CPU
+    expected_evals = sorted(set(range(0, steps + 1, 3)) | {steps})  # --eval-every 3, and at the end
+    assert [e[0] for e in run["eval_loss"]] == expected_evals and all(e[1] > 0 for e in run["eval_loss"])
+    assert run["final_eval_loss"] == run["eval_loss"][-1][1]
+    assert run["plan"]["m_mem"] >= 1 and run["plan"]["predicted"]["tokens_per_s"] > 0
+    assert run["model"]["name"] == "tiny" and run["model"]["parameters"] > 0 and run["model"]["modulate_sites"] == 5
+    assert run["warmup_s"] > 0 and run["compiled_graphs"] >= 0
+    assert run["tokens_per_s_unprofiled"] > 0
+
+
+def test_default_cpu_run_end_to_end(tmp_path, run_cli):
+    """The README's first command (shortened with --samples/--steps): every report field is filled."""
+    out = tmp_path / "out"
+    proc = run_cli("train", *SHORT, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = _results(out)
+    assert results["device"] == "cpu" and results["world_size"] == 1 and results["downscale"] == 8
+    assert results["corpus"]["samples"] == 48 and results["corpus"]["seq_len_max"] <= 1050
+    (run,) = results["runs"]
+    _check_run(run, world_size=1, steps=6)
+    assert run["backend"] == "adaptiveload(eager)" and run["sampler"] == "dual" and run["policy"] == "random"
+    assert run["fused_chains"] == run["seen_chains"] == 5  # 2 blocks x 2 + the head
+    assert 1 <= run["compiled_graphs"] <= 3  # dynamic sequence length: no recompile per bucket
+    assert run["compute_load_cv"] == 0 and run["idle_fraction"] == 0  # one rank
+    assert (out / "calibration.json").is_file() and (out / "results.png").is_file()
+    for label in ("tokens/s", "compute-load CV", "idle fraction", "peak memory GiB", "fused chains / seen",
+                  "eval loss first -> last", "step time ms median", "busy ms per rank"):
+        assert label in proc.stdout
+    assert "adaptiveload+dual" in proc.stdout and "results:" in proc.stdout
+
+
+def test_two_ranks_finish_together_with_complete_metrics(tmp_path, run_cli):
+    out = tmp_path / "out"
+    args = ("--samples", "48", "--eval-every", "3", "--profile-every", "2", "--quiet", "--backend", "eager")
+    proc = run_cli("train", *args, "--baseline", "--out", out, nproc=2)  # one epoch each
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = _results(out)
+    assert results["world_size"] == 2
+    main, baseline = results["runs"]
+    _check_run(main, world_size=2, steps=main["steps_per_epoch"])
+    _check_run(baseline, world_size=2, steps=baseline["steps_per_epoch"])
+    assert baseline["sampler"] == "equal" and baseline["backend"] == "eager"
+    assert main["eval_loss"][0] == baseline["eval_loss"][0]  # same initial weights, same evaluation batch
+    for run in (main, baseline):  # one epoch covers every sample (a few whole batches repeat to fill W)
+        seen = [i for h in run["history"] for rank in h["indices"] for i in rank]
+        assert set(seen) == set(range(48))
+    assert "speedup (tokens/s" in proc.stdout
+
+
+def _model_tensors(run_dir):
+    """The model weights of a run's newest checkpoint, loaded without a process group."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = run_dir / "checkpoint" / (run_dir / "checkpoint" / "latest").read_text().strip()
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    dcp.load(state, checkpoint_id=str(path))
+    return state
+
+
+def test_kill_and_resume_continues_the_sample_stream_and_model_exactly(tmp_path, run_cli):
+    args = ("--samples", "40", "--backend", "eager", "--eval-every", "2", "--profile-every", "0",
+            "--checkpoint-every", "1", "--quiet")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_cli("train", *args, "--steps", "6", "--out", straight).returncode == 0
+    first = run_cli("train", *args, "--steps", "4", "--out", resumed)  # the job stops after 4 steps
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_cli("train", *args, "--steps", "6", "--resume", "--out", resumed)
+    assert second.returncode == 0, second.stderr[-3000:]
+    a, b = _results(straight)["runs"][0], _results(resumed)["runs"][0]
+    assert [h["indices"] for h in b["history"]] == [h["indices"] for h in a["history"]]
+    assert [h["loss"] for h in b["history"]] == [h["loss"] for h in a["history"]]
+    assert b["eval_loss"] == a["eval_loss"]
+    wa, wb = _model_tensors(straight / "eager_dual"), _model_tensors(resumed / "eager_dual")
+    assert wa.keys() == wb.keys() and wa
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_out_of_memory_in_a_bucket_names_it_and_keeps_results(tmp_path, run_cli):
+    """Rank 1 runs out of memory on long videos: every rank stops, the message names the bucket and B."""
+    out = tmp_path / "out"
+    proc = run_cli("train", "--model", "faulty_model:oom_on_rank1_long_videos", "--backend", "eager",
+                   "--calibration", "anchors-wan1.3b", "--m-mem", "2100", "--samples", "64", "--eval-every", "1",
+                   "--profile-every", "0", "--dist-timeout", "10", "--quiet", "--out", out, nproc=2, timeout=200)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "rank 1 ran out of memory on bucket latent" in proc.stdout
+    assert "with B=" in proc.stdout and "recalibrate with a smaller memory budget" in proc.stdout
+    (run,) = _results(out)["runs"]
+    assert run["status"] == "failed" and "rank 1 ran out of memory" in run["error"]
+    assert run["steps"] == len(run["history"])  # the steps before the failure are kept
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--preset", "wan9"), "unknown model preset 'wan9'"),
+    (("--manifest", "MISSING.csv"), "MISSING.csv"),
+    (("--policy", "cost_grouped", "--plan", "PLAN"), "was planned for world size 4, but this job runs on 1"),
+])
+def test_bad_input_gives_one_clear_line(tmp_path, run_cli, args, message):
+    if "PLAN" in args:
+        from adaptiveload.sched.plan import make_plan
+        from adaptiveload.sched.presets import load_calibration
+        from adaptiveload.sched.manifest import reference_mix
+
+        plan = make_plan(reference_mix(64, 0), load_calibration("anchors-wan1.3b"), 4, m_mem=151200)
+        plan.save(tmp_path / "plan.json")
+        args = tuple(str(tmp_path / "plan.json") if a == "PLAN" else a for a in args)
+        args += ("--calibration", "anchors-wan1.3b")
+    proc = run_cli("train", "--samples", "8", "--backend", "eager", "--quiet", "--out", tmp_path / "o", *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bad_manifest_row_is_named(tmp_path, run_cli):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("num_frames,height,width\n81,480,832\n-3,480,832\n")
+    proc = run_cli("train", "--manifest", bad, "--backend", "eager", "--quiet", "--out", tmp_path / "o")
+    assert proc.returncode == 2 and "bad.csv" in proc.stderr and "Traceback" not in proc.stderr
