@@ -2,6 +2,7 @@
 # GPU measurements of `adaptiveload train` (issue 5), one phase per device call:
 #   bash benchmarks/gpu_train_session.sh x2   # two H200 under torchrun with FSDP2: baseline, dual, cost_grouped
 #   bash benchmarks/gpu_train_session.sh x1   # one H200 each: eager/inductor/adaptiveload + equal-token, adaptiveload + dual
+#   bash benchmarks/gpu_train_session.sh all  # x2, then the Inductor and adaptiveload equal-token runs of x1 (SAMPLES_X1)
 # Same corpus (reference mix, --samples, --seed) and plan calibration for every configuration. Each run is capped
 # with `timeout` so one hang cannot eat the session; results.json/png of every run and all logs are packed
 # into $OUT/<phase>.tgz (checkpoints are off).
@@ -42,6 +43,15 @@ case $PHASE in
     ( export CUDA_VISIBLE_DEVICES=1
       train x1_adaptiveload_equal "${ONE[@]}" --backend adaptiveload --sampler equal
       train x1_adaptiveload_dual "${ONE[@]}" --backend adaptiveload --sampler dual ) &
+    wait
+    ;;
+  all)
+    train x2_baseline "${TORCHRUN[@]}" --backend inductor --sampler equal
+    train x2_dual "${TORCHRUN[@]}" --backend adaptiveload --sampler dual --policy random
+    train x2_cost_grouped "${TORCHRUN[@]}" --backend adaptiveload --sampler dual --policy cost_grouped
+    COMMON[5]=${SAMPLES_X1:-64}; CAP=${CAP_X1:-$CAP}
+    ( export CUDA_VISIBLE_DEVICES=0; train x1_inductor_equal "${ONE[@]}" --backend inductor --sampler equal ) &
+    ( export CUDA_VISIBLE_DEVICES=1; train x1_adaptiveload_equal "${ONE[@]}" --backend adaptiveload --sampler equal ) &
     wait
     ;;
 esac
