@@ -28,6 +28,7 @@ has it), so one graph serves every bucket, including B = 1 and single-frame (ima
 from __future__ import annotations
 
 import contextlib
+import os
 import dataclasses
 import importlib
 import logging
@@ -214,8 +215,10 @@ def _size_oblivious():
     """Trace sizes without specialising on 0 and 1, nor on equal sizes ("duck shapes"), where this
     torch has the switches; otherwise B = 1 or T = 1 buckets compile once more each."""
     config = torch.fx.experimental._config
-    switches = {name: value for name, value in (("backed_size_oblivious", True), ("use_duck_shape", False))
-                if hasattr(config, name)}
+    wanted = (("backed_size_oblivious", True), ("use_duck_shape", False))
+    if os.environ.get("ADAPTIVELOAD_SIZE_OBLIVIOUS", "1") == "0":  # debugging switch: torch's defaults
+        wanted = ()
+    switches = {name: value for name, value in wanted if hasattr(config, name)}
     return config.patch(**switches)
 
 
