@@ -14,7 +14,6 @@ memory fit; ``"oom"`` points mark the memory limit (:attr:`Calibration.smallest_
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import math
 import numbers
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from adaptiveload.jsonfile import read_json, write_json_atomic
 from adaptiveload.sched.cost_model import CostModel, fit_cost_model
 from adaptiveload.sched.memory_model import MemoryModel
 
@@ -138,9 +138,7 @@ class Calibration:
 
     def save(self, path) -> None:
         """Write the calibration as JSON to ``path``."""
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_json(), f, indent=1, default=_json_default)
-            f.write("\n")
+        write_json_atomic(path, self.to_json())
 
     @classmethod
     def from_json(cls, d: dict, *, where: str = "calibration") -> "Calibration":
@@ -170,14 +168,7 @@ class Calibration:
                 (the message starts with the path).
         """
         path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"calibration not found: {path}")
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: not valid JSON (line {err.lineno}: {err.msg})") from None
-        return cls.from_json(data, where=path)
+        return cls.from_json(read_json(path, "calibration"), where=path)
 
     # ---------------------------------------------------------------------------------------- plot
 
@@ -227,12 +218,3 @@ class Calibration:
             lines.append(f"  memory: {self.memory_model.describe()}")
         return "\n".join(lines)
 
-
-def _json_default(o):
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"cannot write {type(o).__name__} to a calibration JSON")

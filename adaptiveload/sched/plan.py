@@ -18,13 +18,13 @@ the plan for comparison.
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from adaptiveload.jsonfile import read_json, write_json_atomic
 from adaptiveload.sched.calibration import Calibration
 from adaptiveload.sched.cost_model import CostModel, PowerCostModel
 from adaptiveload.sched.manifest import Manifest
@@ -153,9 +153,8 @@ class Plan:
                 "buckets": self.buckets, "dropped": self.dropped}
 
     def save(self, path) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_json(), f, indent=1)
-            f.write("\n")
+        """Write the plan as JSON to ``path`` (atomically)."""
+        write_json_atomic(path, self.to_json())
 
     @classmethod
     def from_json(cls, d: dict, *, where: str = "plan") -> "Plan":
@@ -179,14 +178,7 @@ class Plan:
     def load(cls, path) -> "Plan":
         """Read a plan JSON. Raises FileNotFoundError, or ValueError for invalid JSON or fields."""
         path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"plan not found: {path}")
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: not valid JSON (line {err.lineno}: {err.msg})") from None
-        return cls.from_json(data, where=path)
+        return cls.from_json(read_json(path, "plan"), where=path)
 
     def format_table(self) -> str:
         """The bucket table next to the equal-token table, and the predicted throughput of both."""
@@ -275,7 +267,7 @@ def make_plan(manifest: Manifest, calibration: Calibration, world_size: int, *, 
         names = "; ".join(f"latent {tuple(r['key'])} S={r['seq_len']:,} ({r['num_samples']} samples)" for r in dropped)
         raise ValueError(f"bucket(s) longer than the memory limit of {limit:,} tokens per batch: {names}; "
                          f"raise the memory budget, use activation checkpointing, or drop them (--drop-oversized)")
-    kseq, kcount = seq[~over], counts[~over]
+    kseq = seq[~over]
     cost = calibration.cost_model
 
     def sizes_for(mm, budget):

@@ -21,26 +21,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from adaptiveload.jsonfile import write_json_atomic
 from adaptiveload.train.distributed import DistContext
 
 LATEST = "latest"
 
-
-def write_json_atomic(path: str, data) -> None:
-    """Write JSON to ``path`` through a temporary file and ``os.replace`` (never a half-written file)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, default=_json_default)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def _json_default(o):
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    if hasattr(o, "item"):
-        return o.item()
-    raise TypeError(f"cannot write {type(o).__name__} to JSON")
 
 
 def _rng_state(device: torch.device) -> dict:

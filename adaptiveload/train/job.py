@@ -45,7 +45,8 @@ from adaptiveload.sched.plan import Plan, make_plan
 from adaptiveload.sched.presets import load_calibration
 from adaptiveload.sched.sampler import DualConstraintBucketSampler
 from adaptiveload.train.calibrate import calibrate, calibration_grid
-from adaptiveload.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_json_atomic
+from adaptiveload.jsonfile import write_json_atomic
+from adaptiveload.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from adaptiveload.train.data import Batch, LatentDataset, collate, synthetic_batch
 from adaptiveload.train.distributed import DistContext
 from adaptiveload.train.metrics import busy_time_s, load_balance, summarize

@@ -1,0 +1,47 @@
+"""The project's JSON files (calibrations, plans, results, checkpoint metadata): atomic writes and
+reads whose errors name the file."""
+from __future__ import annotations
+
+import json
+import os
+
+
+def _to_builtin(o):
+    """numpy / torch scalars and arrays as plain Python values."""
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"cannot write {type(o).__name__} to JSON")
+
+
+def write_json_atomic(path, data) -> None:
+    """Write ``data`` as JSON to ``path`` through a temporary file and ``os.replace``, so a crash
+    never leaves a half-written file (numpy and torch values are converted)."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, default=_to_builtin)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def read_json(path, what: str):
+    """Parse the JSON file at ``path``.
+
+    Args:
+        path: file path.
+        what: what the file should hold, for the error message ("calibration", "plan").
+
+    Raises:
+        FileNotFoundError: no such file ("<what> not found: <path>").
+        ValueError: not valid JSON (the message starts with the path and gives the line).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON (line {err.lineno}: {err.msg})") from None
