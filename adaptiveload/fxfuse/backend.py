@@ -89,7 +89,11 @@ def adaptiveload_backend(
     if mode is not None and inner != "inductor":
         raise ValueError(f"adaptiveload backend: mode={mode!r} is an Inductor setting, but inner={inner!r}")
     graph = gm
-    if fuse and not fusion_disabled():
+    if not fuse:
+        logger.info("LayerNorm→modulate fusion is off (option fuse=False): compiling the graph unchanged")
+    elif fusion_disabled():
+        logger.info("LayerNorm→modulate fusion is off (%s is set): compiling the graph unchanged", DISABLE_ENV)
+    else:
         graph = _fused_copy(gm)
     return _compile_inner(inner, graph, example_inputs, mode, inductor_config)
 

@@ -63,7 +63,12 @@ def run_inspect(args: argparse.Namespace) -> int:
         dtype = _DTYPES[args.dtype]
         model = model.to(dtype)
         inputs = _map_tensors(inputs, lambda t: t.to(dtype) if t.is_floating_point() else t)
-    reports = trace_and_inspect(model, inputs)
+    try:
+        reports = trace_and_inspect(model, inputs)
+    except Exception as err:  # the model does not run on these inputs: one line, not a Dynamo traceback
+        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ValueError(f"{args.target} failed on inputs {_describe_inputs(inputs)}: "
+                         f"{type(err).__name__}: {message}") from None
     total = FusionReport([c for r in reports for c in r.chains])
     print(f"Dynamo captured {len(reports)} graph(s) from {args.target}")
     for i, report in enumerate(reports):
@@ -72,6 +77,15 @@ def run_inspect(args: argparse.Namespace) -> int:
             print(report.table())
     print("\n" + ("no LayerNorm→modulate chain found" if not total.seen else f"total: {total.summary()}"))
     return 0
+
+
+def _describe_inputs(inputs: Any) -> str:
+    """Shapes of the inputs, e.g. ``(shape [2, 4], shape [2])`` or ``{x: shape [2, 4]}``."""
+    def one(v):
+        return f"shape {list(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+    if isinstance(inputs, dict):
+        return "{" + ", ".join(f"{k}: {one(v)}" for k, v in inputs.items()) + "}"
+    return "(" + ", ".join(one(v) for v in inputs) + ")"
 
 
 def trace_and_inspect(model: torch.nn.Module, inputs: Any) -> list[FusionReport]:

@@ -36,6 +36,9 @@ _ANCHORS_SETTINGS = {
     "compile": "eager",
     "optimizer": "AdamW",
     "source": "ANCHORS.md section 2 (published fits over 15 points; 5 points stored)",
+    # the H200's memory as nvidia-smi reports it (143,771 MiB): plans default to the memory model at
+    # this budget, so the long clips of the reference mix (S <= 75,600) fit one per batch
+    "device_memory_bytes": 143771 * 2**20,
 }
 
 

@@ -282,7 +282,8 @@ class DualConstraintBucketSampler(torch.utils.data.Sampler):
             names = ", ".join(f"{self._bucket_name(k)} (S={int(bucket_seq_lens[k])}, {int(self.bucket_counts[k])} samples)" for k in over)
             if not drop_oversized:
                 raise ValueError(f"bucket(s) with one sample over m_mem={m_mem} tokens: {names}; "
-                                 f"raise the memory budget or pass drop_oversized=True")
+                                 f"raise the memory budget (m_mem; --m-mem or --memory-budget-gb on the command line) or drop them "
+                                 f"(drop_oversized=True; --drop-oversized)")
             logger.warning("dropping bucket(s) over m_mem=%s tokens: %s", m_mem, names)
             self.dropped_buckets = over
             self.bucket_batch_sizes[over] = 0

@@ -93,7 +93,7 @@ def test_training_matches_eager_through_aot_autograd():
 
 
 @pytest.mark.parametrize("how", ["options", "env"])
-def test_fusion_can_be_turned_off(how, monkeypatch):
+def test_fusion_can_be_turned_off(how, monkeypatch, caplog):
     options = dict(AOT_EAGER)
     if how == "options":
         options["fuse"] = False
@@ -103,9 +103,12 @@ def test_fusion_can_be_turned_off(how, monkeypatch):
     model = Block()
     x, c = _inputs()
     before = _fused_total()
-    out = torch.compile(model, backend="adaptiveload", options=options, fullgraph=True)(x, c)
+    with caplog.at_level("INFO", logger="adaptiveload"):
+        out = torch.compile(model, backend="adaptiveload", options=options, fullgraph=True)(x, c)
     assert _fused_total() == before and backend_mod.last_reports() == []
     torch.testing.assert_close(out, model(x, c))
+    reason = "option fuse=False" if how == "options" else "ADAPTIVELOAD_DISABLE is set"
+    assert f"LayerNorm→modulate fusion is off ({reason})" in caplog.text
 
 
 def test_options_as_keyword_arguments_and_their_errors(capture):

@@ -1,4 +1,5 @@
 """Planning (adaptiveload/sched/plan.py): throughput formulas, the budget search, plan files, from_plan."""
+import dataclasses
 import itertools
 import json
 
@@ -85,9 +86,12 @@ def test_memory_limit_from_memory_model_and_oversized():
     assert sorted(i for r in range(2) for batch in DualConstraintBucketSampler.from_plan(
         plan, m.latent_shapes, num_replicas=2, rank=r) for i in batch) == [0, 1]
     assert sampler.dropped_buckets.size == 1
-    # without a budget: the largest B*S the calibration ran
+    # without a budget: the device memory the calibration records (the H200's 143,771 MiB) ...
     plan = make_plan(Manifest.from_seq_lens([1560, 9360]), cal, 1)
-    assert plan.m_mem_limit == 37440
+    assert plan.m_mem_limit == cal.memory_model.max_tokens(143771 * 2**20, safety=0.9)
+    # ... or, when it records none, the largest B*S the calibration ran
+    no_device = dataclasses.replace(cal, settings={k: v for k, v in cal.settings.items() if k != "device_memory_bytes"})
+    assert make_plan(Manifest.from_seq_lens([1560, 9360]), no_device, 1).m_mem_limit == 37440
     with pytest.raises(ValueError, match="no memory limit"):
         make_plan(Manifest.from_seq_lens([1560]), _calibration(), 1)
 
