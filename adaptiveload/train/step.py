@@ -243,11 +243,6 @@ class TrainStep:
         self.device = ctx.device
         self.module = model.to(ctx.device)
         self.module.train()
-        if self.device.type == "cuda":
-            # cuDNN attention's saved statistics get a stride fixed at the first traced sequence length
-            # under dynamic shapes (torch 2.11 + Inductor: "expected stride 1560==75600" in backward at the
-            # next bucket); flash / memory-efficient attention stay shape-generic.
-            torch.backends.cuda.enable_cudnn_sdp(False)
         self.sharded = ctx.distributed if config.fsdp is None else bool(config.fsdp)
         if self.sharded:
             # Compile each block's forward, then shard blocks and root: FSDP2's hooks run eagerly
