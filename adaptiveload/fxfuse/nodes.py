@@ -94,9 +94,9 @@ def binary_operands(node: Any, kind: str) -> Optional[tuple[Any, Any]]:
     return node.args[0], node.args[1]
 
 
-def one_plus_operand(node: Any) -> Optional[Node]:
-    """``scale`` when ``node`` computes ``1 + scale`` or ``scale + 1`` (any add form), else None."""
-    ops = binary_operands(node, "add")
+def _operand_beside_one(node: Any, op: str) -> Optional[Node]:
+    """``x`` when ``node`` is the binary ``op`` of ``x`` and the constant 1 (either order), else None."""
+    ops = binary_operands(node, op)
     if ops is None:
         return None
     a, b = ops
@@ -105,6 +105,11 @@ def one_plus_operand(node: Any) -> Optional[Node]:
     if _is_one(b) and isinstance(a, Node):
         return a
     return None
+
+
+def one_plus_operand(node: Any) -> Optional[Node]:
+    """``scale`` when ``node`` computes ``1 + scale`` or ``scale + 1`` (any add form), else None."""
+    return _operand_beside_one(node, "add")
 
 
 _VIEW_METHODS = {"unsqueeze", "view", "reshape"}
@@ -137,15 +142,7 @@ def view_source(node: Any) -> Optional[Node]:
 
 def times_one_operand(node: Any) -> Optional[Node]:
     """``x`` when ``node`` computes ``x * 1`` (what decomposing ``addcmul``'s ``value=1`` leaves)."""
-    ops = binary_operands(node, "mul")
-    if ops is None:
-        return None
-    a, b = ops
-    if _is_one(b) and isinstance(a, Node):
-        return a
-    if _is_one(a) and isinstance(b, Node):
-        return b
-    return None
+    return _operand_beside_one(node, "mul")
 
 
 def addcmul_operands(node: Any) -> Optional[tuple[Any, Any, Any]]:

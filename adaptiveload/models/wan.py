@@ -61,11 +61,8 @@ def timestep_embedding(timestep: Tensor, dim: int, max_period: float = 10000.0) 
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
-class SelfAttention(nn.Module):
-    """Multi-head self-attention with q/k RMSNorm across all heads and 3D RoPE.
-
-    ``x`` [B, S, dim], ``cos``/``sin`` [S, head_dim // 2] -> [B, S, dim] in ``x``'s dtype.
-    """
+class _Attention(nn.Module):
+    """q, k, v, o projections (dim -> dim) and q/k RMSNorm across all heads, as Wan has them."""
 
     def __init__(self, dim: int, num_heads: int, eps: float):
         super().__init__()
@@ -73,6 +70,13 @@ class SelfAttention(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
         self.norm_q = nn.RMSNorm(dim, eps=eps)
         self.norm_k = nn.RMSNorm(dim, eps=eps)
+
+
+class SelfAttention(_Attention):
+    """Multi-head self-attention with q/k RMSNorm across all heads and 3D RoPE.
+
+    ``x`` [B, S, dim], ``cos``/``sin`` [S, head_dim // 2] -> [B, S, dim] in ``x``'s dtype.
+    """
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         q = self.norm_q(self.q(x)).unflatten(-1, (self.num_heads, -1))
@@ -83,18 +87,11 @@ class SelfAttention(nn.Module):
         return self.o(out.transpose(1, 2).flatten(2))
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(_Attention):
     """Multi-head attention from the video tokens to the text tokens, q/k RMSNorm across heads.
 
     ``x`` [B, S, dim], ``context`` [B, L, dim] -> [B, S, dim].
     """
-
-    def __init__(self, dim: int, num_heads: int, eps: float):
-        super().__init__()
-        self.num_heads = num_heads
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
-        self.norm_q = nn.RMSNorm(dim, eps=eps)
-        self.norm_k = nn.RMSNorm(dim, eps=eps)
 
     def forward(self, x: Tensor, context: Tensor) -> Tensor:
         q = self.norm_q(self.q(x)).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
