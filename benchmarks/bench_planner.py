@@ -17,13 +17,9 @@ above what was allocated before the phase, plus the process's peak RSS at the en
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import resource
 import statistics
-import sys
 import time
 import tracemalloc
 
@@ -32,6 +28,7 @@ import torch
 
 from adaptiveload.sched import DualConstraintBucketSampler, make_plan, reference_mix
 from adaptiveload.sched.presets import load_calibration
+from results_file import run_context, write_json_and_markdown
 
 POLICIES = ("random", "cost_grouped")
 
@@ -81,10 +78,7 @@ def main(argv=None) -> int:
     load = os.getloadavg()  # other processes on the machine inflate the timings
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
-    context = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
-               "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-               "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
+    context = {**run_context(__file__, argv),
                "load_average_1_5_15min": list(load), "num_samples": args.num_samples, "world_size": args.world_size, "m_mem": args.m_mem,
                "num_buckets": int(len(np.unique(shapes, axis=0))), "reference_mix_generation_s": gen_s,
                "process_peak_rss_bytes": peak_rss, "manifest_bytes": int(shapes.nbytes + manifest.seq_lens.nbytes
@@ -105,13 +99,8 @@ def main(argv=None) -> int:
               f"{gen_s:.2f} s."]
     text = "\n".join(lines)
     print(text)
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, f"planner_{args.num_samples}_w{args.world_size}")
-    with open(stem + ".json", "w") as f:
-        json.dump({"context": context, "rows": rows}, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(text + "\n")
-    print(f"wrote {stem}.json and {stem}.md")
+    write_json_and_markdown(args.out_dir, f"planner_{args.num_samples}_w{args.world_size}",
+                            {"context": context, "rows": rows}, text)
     return 0
 
 

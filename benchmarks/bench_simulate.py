@@ -12,18 +12,14 @@ balance is not graded by the model that produced it. ``M_mem = 151,200`` tokens 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import sys
 import time
 
-import numpy as np
 
 from adaptiveload.sched import reference_mix
 from adaptiveload.sched.presets import load_calibration
 from adaptiveload.sched.simulate import simulate
+from results_file import run_context, write_json_and_markdown
 
 # Issue 4 / ANCHORS section 3 targets at W = 8 (truth = quadratic model with 5% noise).
 TARGETS = {"equal-token cv": (0.36, 0.40), "dual-constraint cv max": 0.19, "dual-constraint speedup min": 1.20,
@@ -65,7 +61,6 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=5, help="seeds (manifest, sampler, noise) for the W = 8 spread")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)
-    command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
     t0 = time.perf_counter()
     manifest = reference_mix(args.num_samples, seed=0)
     main_rows = run_table(manifest, "anchors-wan1.3b", "anchors-wan1.3b", args.world_sizes, args, seed=0)
@@ -87,11 +82,10 @@ def main(argv=None) -> int:
             ("cost-grouped CV <= 0.07", grp["truth"]["cv"], grp["truth"]["cv"] <= 0.07),
             ("cost-grouped >= 1.5x tokens/s", grp["speedup_vs_equal_token"], grp["speedup_vs_equal_token"] >= 1.5),
         ]
-    context = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command,
-               "python": platform.python_version(), "numpy": np.__version__, "num_samples": args.num_samples,
+    context = {**run_context(__file__, argv), "num_samples": args.num_samples,
                "m_mem": args.m_mem, "truth_noise": args.truth_noise, "elapsed_s": elapsed}
     lines = [f"## Simulated cluster: reference mix ({args.num_samples:,} samples), Wan-1.3B cost model (ANCHORS section 2)",
-             "", f"`{command}` -- {context['date']}, {elapsed:.0f} s on {os.cpu_count()} CPUs. "
+             "", f"`{context['command']}` -- {context['date']}, {elapsed:.0f} s on {os.cpu_count()} CPUs. "
              f"Truth = quadratic model x (1 + {args.truth_noise} N(0,1)) per rank and step; M_mem = {args.m_mem:,} tokens; "
              "one epoch per policy; budgets chosen by `make_plan` for each W.", ""]
     lines += markdown(main_rows, "Planned with the quadratic fit (`--calibration anchors-wan1.3b`)")
@@ -108,14 +102,10 @@ def main(argv=None) -> int:
         lines += [f"- {name}: {value:.3f} -- {'met' if ok else 'NOT met'}" for name, value, ok in checks]
     text = "\n".join(lines)
     print(text)
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, "simulate_reference_mix")
-    with open(stem + ".json", "w") as f:
-        json.dump({"context": context, "quadratic_plan": main_rows, "power_plan": power_rows, "w8_seed_spread": spread,
-                   "targets": [{"target": n, "value": v, "met": ok} for n, v, ok in checks]}, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(text + "\n")
-    print(f"wrote {stem}.json and {stem}.md")
+    write_json_and_markdown(args.out_dir, "simulate_reference_mix",
+                            {"context": context, "quadratic_plan": main_rows, "power_plan": power_rows,
+                             "w8_seed_spread": spread,
+                             "targets": [{"target": n, "value": v, "met": ok} for n, v, ok in checks]}, text)
     return 0
 
 
