@@ -2,17 +2,20 @@
 # GPU measurements of `adaptiveload train` (issue 5), one phase per device call:
 #   bash benchmarks/gpu_train_session.sh x2   # two H200 under torchrun with FSDP2: baseline, dual, cost_grouped
 #   bash benchmarks/gpu_train_session.sh x1   # one H200 each: eager/inductor/adaptiveload + equal-token, adaptiveload + dual
-#   bash benchmarks/gpu_train_session.sh all  # x2, then the Inductor and adaptiveload equal-token runs of x1 (SAMPLES_X1)
+#   bash benchmarks/gpu_train_session.sh x1pair  # Inductor and adaptiveload equal-token runs of x1 side by side, one per GPU
+#   bash benchmarks/gpu_train_session.sh all  # x2, then x1pair (SAMPLES_X1)
 # Same corpus (reference mix, --samples, --seed) and plan calibration for every configuration. Each run is capped
 # with `timeout` so one hang cannot eat the session; results.json/png of every run and all logs are packed
-# into $OUT/<phase>.tgz (checkpoints are off).
+# into $OUT/<phase>.tgz (checkpoints are off); Dynamo recompiles and their reasons go to the run logs.
+# ONLY="x2_baseline x2_dual" runs a subset of a phase. A first run on a bare machine compiles cold
+# (about 2.5 min of start-up and warm-up for the 10-layer model under torchrun); later runs hit the cache.
 set -u
 PHASE=${1:?x1 or x2}
 OUT=${OUT:-/tmp/out}
 CAP=${CAP:-140}
 RUNS=/tmp/runs
 mkdir -p "$RUNS" "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TORCH_LOGS=recompiles PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 COMMON=(--preset wan2.1-1.3b --num-layers 10 --samples "${SAMPLES:-128}" --seed 0
         --calibration "${CALIBRATION:-anchors-wan1.3b}" --memory-budget-gb 120 --quiet)
 python -m pip install -q -e . --no-deps --no-build-isolation
@@ -20,8 +23,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RUNS/gp
 python -c "import torch; print(torch.__version__, torch.version.cuda)" > "$RUNS/torch.txt"
 python -m adaptiveload build > "$RUNS/build.log" 2>&1
 
-train() {  # name, then arguments after the common ones
+train() {  # name, then arguments after the common ones; ONLY="name ..." runs just those
   local name=$1; shift
+  [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]] && return
   echo "== $name: $*" | tee -a "$RUNS/commands.txt"
   timeout "$CAP" "$@" "${COMMON[@]}" --out "$RUNS/$name" > "$RUNS/$name.log" 2>&1
   echo "   exit $? after ${SECONDS}s" | tee -a "$RUNS/commands.txt"
@@ -43,6 +47,11 @@ case $PHASE in
     ( export CUDA_VISIBLE_DEVICES=1
       train x1_adaptiveload_equal "${ONE[@]}" --backend adaptiveload --sampler equal
       train x1_adaptiveload_dual "${ONE[@]}" --backend adaptiveload --sampler dual ) &
+    wait
+    ;;
+  x1pair)
+    ( export CUDA_VISIBLE_DEVICES=0; train x1_inductor_equal "${ONE[@]}" --backend inductor --sampler equal ) &
+    ( export CUDA_VISIBLE_DEVICES=1; train x1_adaptiveload_equal "${ONE[@]}" --backend adaptiveload --sampler equal ) &
     wait
     ;;
   all)

@@ -45,8 +45,10 @@ def _rows(run: dict) -> list[tuple[str, str]]:
         ("compute-load CV", _fmt(run.get("compute_load_cv"), "ratio")),
         ("idle fraction", _fmt(run.get("idle_fraction"), "ratio")),
         ("peak memory GiB (max rank)", _fmt(max(peaks) if peaks else None, "gib")),
-        ("fused chains / seen", f"{run.get('fused_chains', 0)} / {run.get('seen_chains', 0)}"),
-        ("compiled graphs", _fmt(run.get("compiled_graphs"), "int")),
+        ("fused chains / seen / model sites",
+         f"{run.get('fused_chains', 0)} / {run.get('seen_chains', 0)} / {run.get('model', {}).get('modulate_sites') or '-'}"),
+        ("compiled graphs (in timed steps)",
+         f"{_fmt(run.get('compiled_graphs'), 'int')} ({_fmt(run.get('compiled_graphs_in_training'), 'int')})"),
         ("eval loss first -> last", f"{_fmt(run['eval_loss'][0][1], '')} -> {_fmt(run.get('final_eval_loss'), '')}"
          if run.get("eval_loss") else "-"),
         ("plan M_mem tokens", _fmt((run.get("plan") or {}).get("m_mem"), "int")),

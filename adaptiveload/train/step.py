@@ -2,8 +2,9 @@
 
 One :class:`TrainStep` owns the model as it trains: moved to the device, sharded with FSDP2
 (``fully_shard`` on every transformer block, then on the root) when there are several ranks,
-compiled with the chosen backend, and an AdamW optimizer. A step is forward, the flow-matching
-loss, backward and the optimizer step, with bf16 autocast on GPU (float32 on CPU).
+compiled block by block with the chosen backend (regional compilation), and an AdamW optimizer.
+A step is forward, the flow-matching loss, backward and the optimizer step, with bf16 autocast on
+GPU (float32 on CPU).
 
 Flow-matching (rectified-flow) loss, as used to train Wan 2.1 and SD3 (Lipman et al. 2023, "Flow
 Matching for Generative Modeling"; Esser et al. 2024, "Scaling Rectified Flow Transformers", eq. 1
@@ -22,13 +23,16 @@ N_global``: every sample has the same weight wherever it landed — the same gra
 process computes on all the step's samples.
 
 Dynamic sequence length: the batch, frame, height and width dims of the inputs are marked dynamic
-and traced size-oblivious (``torch.fx.experimental._config.backed_size_oblivious``, when this torch
-has it), so one graph serves every bucket, including B = 1 and single-frame (image) buckets.
+and equal sizes get separate symbols (no "duck shapes"), so a new bucket shape does not recompile.
+Sizes of 1 are still specialised (torch's 0/1 rule): B = 1 and single-frame (image) batches each add
+one graph, at most four graphs in all, compiled in warm-up. Tracing with
+``backed_size_oblivious`` instead would avoid those but made Inductor guard on every sequence length
+(a recompile per bucket) and, under FSDP2 on torch 2.11, bake the first sequence length into the
+strides of saved activations (pytorch/pytorch#191885).
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import dataclasses
 import importlib
 import logging
@@ -199,27 +203,33 @@ def flow_matching_loss(model, latents: Tensor, context: Tensor, noise: Tensor, s
 
 
 def _block_inputs_dynamic(module, args):
-    """Forward pre-hook of a compiled block: contiguous tensor inputs with every dim but the
-    channel (last) dim marked dynamic, so all blocks and all buckets share one graph (the first
-    block otherwise receives a transposed view from the patch embedding, the others do not)."""
-    out = []
-    for arg in args:
+    """Forward pre-hook of a compiled block: contiguous tensor inputs (also inside tuples and lists,
+    e.g. diffusers' rotary (cos, sin)) with every dim but the channel (last) dim marked dynamic, so
+    every block and every bucket reuse the same graphs (the first block otherwise receives a
+    transposed view from the patch embedding, the others do not)."""
+
+    def prepare(arg):
+        if isinstance(arg, (tuple, list)):
+            return type(arg)(prepare(a) for a in arg)
         if isinstance(arg, Tensor) and arg.dim() >= 2:
             arg = arg.contiguous()
             torch._dynamo.maybe_mark_dynamic(arg, list(range(arg.dim() - 1)))
-        out.append(arg)
-    return tuple(out)
+        return arg
+
+    return prepare(tuple(args))
 
 
-def _size_oblivious():
-    """Trace sizes without specialising on 0 and 1, nor on equal sizes ("duck shapes"), where this
-    torch has the switches; otherwise B = 1 or T = 1 buckets compile once more each."""
+def _distinct_symbols():
+    """Trace equal sizes (e.g. H == W of the first bucket) as separate symbols, where this torch has
+    the switch, so a later bucket with H != W does not recompile."""
     config = torch.fx.experimental._config
-    wanted = (("backed_size_oblivious", True), ("use_duck_shape", False))
-    if os.environ.get("ADAPTIVELOAD_SIZE_OBLIVIOUS", "1") == "0":  # debugging switch: torch's defaults
-        wanted = ()
-    switches = {name: value for name, value in wanted if hasattr(config, name)}
-    return config.patch(**switches)
+    return config.patch(use_duck_shape=False) if hasattr(config, "use_duck_shape") else contextlib.nullcontext()
+
+
+def _run_eagerly():
+    """Run compiled functions as plain Python (``torch.compiler.set_stance("force_eager")``, torch >= 2.6)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 class TrainStep:
@@ -232,9 +242,11 @@ class TrainStep:
 
     Attributes:
         module: the (possibly FSDP2-sharded) module, uncompiled; evaluation runs it eagerly.
-        compiled: what a training step calls (``module`` itself for the eager backend).
+        compiled: what a training step calls: ``module`` with each block's forward compiled, or the
+            whole module compiled when it has no list of blocks (``module`` itself for the eager backend).
         optimizer: ``torch.optim.AdamW``.
         sharded: whether FSDP2 wraps the model.
+        regions: compiled regions one forward runs (the number of blocks, or 1 for a whole-model compile).
     """
 
     def __init__(self, model: nn.Module, config: StepConfig, ctx: DistContext):
@@ -244,17 +256,20 @@ class TrainStep:
         self.module = model.to(ctx.device)
         self.module.train()
         self.sharded = ctx.distributed if config.fsdp is None else bool(config.fsdp)
-        if self.sharded:
-            # Compile each block's forward, then shard blocks and root: FSDP2's hooks run eagerly
-            # around the compiled blocks; the root's own layers (embeddings, head) stay eager.
-            # (Compiling the whole FSDP2 model breaks the graph at every hook and recompiles per shape.)
-            for block in transformer_blocks(self.module):
-                self._compile_forward(block)
+        # Regional compilation: each block's forward is compiled, and every block reuses the same
+        # graphs (compile time does not grow with depth); the root's own layers (embeddings, head)
+        # stay eager. Under FSDP2 this also keeps its hooks (all-gathers) outside the graphs
+        # (compiling the whole FSDP2 model breaks the graph at every hook and recompiles per shape).
+        # A model without a list of blocks is compiled whole.
+        blocks = transformer_blocks(self.module)
+        for block in blocks:
+            self._compile_forward(block)
+            if self.sharded:
                 fully_shard(block)
+        if self.sharded:
             fully_shard(self.module)
-            self.compiled = self.module
-        else:
-            self.compiled = self._compile(self.module)
+        self.compiled = self.module if blocks else self._compile(self.module)
+        self.regions = len(blocks) or 1
         self.optimizer = torch.optim.AdamW(
             self.module.parameters(), lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay
         )
@@ -292,7 +307,7 @@ class TrainStep:
         return batch.latents.to(**to), batch.context.to(**to), batch.noise.to(**to), batch.sigma.to(**to)
 
     def _call_compiled(self, latents: Tensor, timestep: Tensor, context: Tensor) -> Tensor:
-        """The compiled model, with batch, frame, height and width marked dynamic (one graph for all buckets)."""
+        """The compiled model, with batch, frame, height and width marked dynamic (module docstring)."""
         torch._dynamo.maybe_mark_dynamic(latents, [0, 2, 3, 4])
         torch._dynamo.maybe_mark_dynamic(timestep, 0)
         torch._dynamo.maybe_mark_dynamic(context, 0)
@@ -314,7 +329,7 @@ class TrainStep:
         if global_num_samples < len(batch):
             raise ValueError(f"global_num_samples {global_num_samples} < this rank's batch size {len(batch)}")
         latents, context, noise, sigma = self._inputs(batch)
-        with _size_oblivious(), self.autocast():
+        with _distinct_symbols(), self.autocast():
             per_sample = flow_matching_loss(self._call_compiled, latents, context, noise, sigma)
         loss_sum = per_sample.sum()
         (loss_sum * (self.loss_scale / global_num_samples)).backward()
@@ -335,11 +350,12 @@ class TrainStep:
     def evaluate(self, batch) -> Tensor:
         """Per-sample flow-matching loss [B] (float32, on CPU) of ``batch`` under the current weights.
 
-        Runs the uncompiled module (the same computation for every backend) in the training
-        dtype policy, so evaluation losses are comparable across backends and samplers.
+        Runs the module eagerly (its compiled blocks too: the same computation for every backend,
+        and no inference graphs to compile) in the training dtype policy, so evaluation losses are
+        comparable across backends and samplers.
         """
         latents, context, noise, sigma = self._inputs(batch)
-        with self.autocast():
+        with _run_eagerly(), self.autocast():
             return flow_matching_loss(self.module, latents, context, noise, sigma).cpu()
 
     @contextlib.contextmanager

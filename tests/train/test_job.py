@@ -46,7 +46,7 @@ def _check_run(run, world_size, steps):
     assert run["final_eval_loss"] == run["eval_loss"][-1][1]
     assert run["plan"]["m_mem"] >= 1 and run["plan"]["predicted"]["tokens_per_s"] > 0
     assert run["model"]["name"] == "tiny" and run["model"]["parameters"] > 0 and run["model"]["modulate_sites"] == 5
-    assert run["warmup_s"] > 0 and run["compiled_graphs"] >= 0
+    assert run["warmup_s"] > 0 and run["compiled_graphs"] >= run["compiled_graphs_in_training"] >= 0
     assert run["tokens_per_s_unprofiled"] > 0
 
 
@@ -61,8 +61,10 @@ def test_default_cpu_run_end_to_end(tmp_path, run_cli):
     (run,) = results["runs"]
     _check_run(run, world_size=1, steps=6)
     assert run["backend"] == "adaptiveload(eager)" and run["sampler"] == "dual" and run["policy"] == "random"
-    assert run["fused_chains"] == run["seen_chains"] == 5  # 2 blocks x 2 + the head
-    assert 1 <= run["compiled_graphs"] <= 3  # dynamic sequence length: no recompile per bucket
+    # per forward: 2 chains in each of the 2 compiled blocks; the head's chain runs in the eager root
+    assert run["fused_chains"] == run["seen_chains"] == 4
+    assert 1 <= run["compiled_graphs"] <= 2  # blocks: one graph per batch-size class (B = 1 or not), not per bucket
+    assert run["compiled_graphs_in_training"] == 0  # all compiled in warm-up
     assert run["compute_load_cv"] == 0 and run["idle_fraction"] == 0  # one rank
     assert (out / "calibration.json").is_file() and (out / "results.png").is_file()
     for label in ("tokens/s", "compute-load CV", "idle fraction", "peak memory GiB", "fused chains / seen",
@@ -159,3 +161,16 @@ def test_bad_manifest_row_is_named(tmp_path, run_cli):
     bad.write_text("num_frames,height,width\n81,480,832\n-3,480,832\n")
     proc = run_cli("train", "--manifest", bad, "--backend", "eager", "--quiet", "--out", tmp_path / "o")
     assert proc.returncode == 2 and "bad.csv" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_warm_up_batches_cover_every_size_class_at_both_ends():
+    from adaptiveload.train.job import warm_up_batches
+
+    keys = np.array([[1, 4, 4], [1, 8, 8], [3, 4, 4], [5, 8, 8], [2, 8, 8]])
+    # images: B = 1 on the smallest and the largest image bucket, B = 2 on the smallest, and the
+    # biggest image batch (8 x 16 tokens); videos: B = 1 on the shortest and the longest video,
+    # B = 2 on the only video bucket that takes two samples (also its biggest batch)
+    assert warm_up_batches(keys, np.array([8, 1, 1, 1, 2])) == [
+        (1, (1, 4, 4)), (2, (1, 4, 4)), (1, (3, 4, 4)), (1, (1, 8, 8)), (8, (1, 4, 4)), (2, (2, 8, 8)), (1, (5, 8, 8))]
+    # no bucket takes two samples: B = 1 only
+    assert warm_up_batches(keys, np.ones(5, dtype=int)) == [(1, (1, 4, 4)), (1, (3, 4, 4)), (1, (1, 8, 8)), (1, (5, 8, 8))]

@@ -72,16 +72,26 @@ def test_frozen_weights_run_steps_without_changing_the_model():
     assert any(not torch.equal(p, before[n]) for n, p in step.module.named_parameters())
 
 
-def test_one_graph_serves_every_bucket():
-    """B = 1, single-frame and new sizes do not recompile (aot_eager: the compile path, no codegen)."""
+def test_new_bucket_shapes_reuse_the_graphs_of_their_size_class():
+    """Regional compilation: every block shares one graph per batch-size class (B = 1 or not; the
+    blocks see [B, S, dim], so single-frame buckets add none); new sizes, including H != W after
+    H == W, do not recompile (aot_eager: the compile path, no codegen)."""
     torch._dynamo.reset()
     step, spec = _tiny_step(backend="aot_eager")
     from torch._dynamo.utils import counters
 
-    before = counters["stats"]["unique_graphs"]
-    for b, shape in [(3, (2, 4, 6)), (1, (1, 6, 4)), (1, (5, 8, 8)), (4, (1, 2, 4)), (2, (3, 6, 10))]:
+    def graphs_after(b, shape):
         step(synthetic_batch(spec, b, shape), b)
-    assert counters["stats"]["unique_graphs"] - before == 1
+        return counters["stats"]["unique_graphs"] - before
+
+    before = counters["stats"]["unique_graphs"]
+    assert graphs_after(3, (2, 4, 4)) == 1
+    assert graphs_after(2, (3, 6, 10)) == 1
+    assert graphs_after(4, (1, 4, 4)) == 1
+    assert graphs_after(1, (5, 8, 8)) == 2
+    assert graphs_after(1, (2, 4, 6)) == 2
+    assert graphs_after(1, (1, 6, 4)) == 2
+    assert graphs_after(5, (4, 4, 6)) == 2
 
 
 @pytest.mark.parametrize("kwargs, match", [
