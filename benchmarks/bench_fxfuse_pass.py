@@ -22,13 +22,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -36,6 +31,7 @@ import torch
 
 from adaptiveload.fxfuse import fuse_adaln
 from adaptiveload.fxfuse.backend import copy_graph_module
+from results_file import run_context
 
 NUM_LAYERS = 40
 TARGET_MS = 50.0
@@ -94,11 +90,11 @@ def time_pass(gm: torch.fx.GraphModule, repeats: int) -> dict:
     }
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "fxfuse_pass.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     cases = {
         f"diffusers DiTTransformer2DModel ({NUM_LAYERS} blocks)": diffusers_dit,
@@ -120,11 +116,7 @@ def main() -> int:
 
     record = {
         "benchmark": "fxfuse_pass",
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "python": platform.python_version()},
-        "torch": torch.__version__,
+        **run_context(__file__, argv),
         "repeats": args.repeats,
         "target_ms": TARGET_MS,
         "results": results,

@@ -1,12 +1,14 @@
 """Side-by-side table of `adaptiveload train` runs (results.json files), with the simulator's prediction.
 
-    python benchmarks/summarize_train.py benchmarks/results/train_h200/*.json \
-        --simulate benchmarks/results/train_h200/simulate_w2_128.json --stem train_h200
+    R=benchmarks/results/train_h200
+    python benchmarks/summarize_train.py $R/x1_inductor_equal.json $R/x1_adaptiveload_equal.json \
+        $R/x2_baseline.json $R/x2_dual.json $R/x2_cost_grouped.json \
+        --simulate $R/simulate_w2_128.json --stem train_h200
 
-Each run is compared with the first run of the same world size given (the baseline). Prints a
-markdown table and writes it with a JSON summary (per run: device, torch version, date, the exact
-`adaptiveload train` command rebuilt from the run's config, and the numbers) under
-benchmarks/results/.
+Each run is compared with the first run of the same world size given (give the baseline first).
+Prints a markdown table and writes it with a JSON summary (per run: device, torch version, date, the
+exact `adaptiveload train` command rebuilt from the run's config, and the numbers) to
+``<out-dir>/<stem>.md`` and ``.json``.
 """
 from __future__ import annotations
 
@@ -15,8 +17,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_file import run_context, write_json_and_markdown  # noqa: E402
+from results_file import run_context, write_json_and_markdown
 
 GIB = 2**30
 # flags of `adaptiveload train` rebuilt into each run's command, in this order (config key, flag)
@@ -38,6 +39,8 @@ def summarize(path: str) -> dict:
     """One row per run of a results file."""
     with open(path) as f:
         doc = json.load(f)
+    if not isinstance(doc, dict) or doc.get("format") != "adaptiveload.train-results":
+        raise SystemExit(f"{path}: not a results.json of `adaptiveload train` (no format 'adaptiveload.train-results')")
     rows = []
     for run in doc["runs"]:
         peaks = run.get("peak_memory_bytes_per_rank") or []
@@ -50,7 +53,8 @@ def summarize(path: str) -> dict:
             "tokens_per_s": run["tokens_per_s"], "predicted_tokens_per_s": _predicted(run),
             "compute_load_cv": run["compute_load_cv"], "idle_fraction": run["idle_fraction"],
             "peak_memory_gib": max(peaks) / GIB if peaks else None,
-            "eval_loss_first": run["eval_loss"][0][1], "eval_loss_last": run["final_eval_loss"],
+            "eval_loss_first": run["eval_loss"][0][1] if run.get("eval_loss") else None,
+            "eval_loss_last": run.get("final_eval_loss"), "error": run.get("error"),
             "fused_chains": run.get("fused_chains"), "compiled_graphs_in_training": run.get("compiled_graphs_in_training"),
             "plan_m_mem": run["plan"]["m_mem"],
         })
@@ -63,9 +67,9 @@ def _predicted(run: dict):
 
 
 def table(rows: list[dict], simulated: dict) -> str:
-    lines = ["| W | run | backend | sampler | tokens/s | vs baseline | simulated tokens/s (vs eq-tok) | "
+    lines = ["| W | run | backend | sampler | status | tokens/s | vs baseline | simulated tokens/s (vs eq-tok) | "
              "compute-load CV (simulated) | idle fraction | peak GiB | eval loss first → last | compiles in timed steps |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     baseline = {}
     for r in rows:
         base = baseline.setdefault(r["world_size"], r["tokens_per_s"])
@@ -73,10 +77,11 @@ def table(rows: list[dict], simulated: dict) -> str:
         sim_text = f"{sim['tokens_per_s']:,.0f} ({sim['speedup']:.2f}×)" if sim else "-"
         cv_text = f"{r['compute_load_cv']:.3f}" + (f" ({sim['cv']:.3f})" if sim else "")
         peak = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
+        loss = " → ".join("-" if v is None else f"{v:.4f}" for v in (r["eval_loss_first"], r["eval_loss_last"]))
         lines.append(
-            f"| {r['world_size']} | {r['name']} | {r['backend']} | {r['sampler']} | {r['tokens_per_s']:,.0f} | "
+            f"| {r['world_size']} | {r['name']} | {r['backend']} | {r['sampler']} | {r['status']} | {r['tokens_per_s']:,.0f} | "
             f"{r['tokens_per_s'] / base:.3f}× | {sim_text} | {cv_text} | {r['idle_fraction']:.3f} | "
-            f"{peak} | {r['eval_loss_first']:.4f} → {r['eval_loss_last']:.4f} | {r['compiled_graphs_in_training']} |")
+            f"{peak} | {loss} | {r['compiled_graphs_in_training']} |")
     return "\n".join(lines)
 
 
@@ -104,7 +109,8 @@ def main(argv=None) -> int:
     p.add_argument("results", nargs="+", help="results.json files of `adaptiveload train`, baseline first per world size")
     p.add_argument("--simulate", default=None, help="JSON of `adaptiveload simulate` for the same corpus and plan")
     p.add_argument("--stem", default="train_h200", help="output file stem under --out-dir")
-    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                   help="where <stem>.md and <stem>.json go (default benchmarks/results/, overwriting a committed table)")
     args = p.parse_args(argv)
     rows = [row for path in args.results for row in summarize(path)]
     simulated = load_simulation(args.simulate)

@@ -117,7 +117,9 @@ def add_commands(subparsers) -> None:
                                           "separate truth: compute-load CV, idle fraction, tokens/s, step-time variation.")
     _add_common(s)
     s.add_argument("--world-size", type=_positive_int, nargs="+", required=True, help="one or more world sizes")
-    s.add_argument("--policy", nargs="+", choices=(*SIM_POLICIES, "all"), default=["all"], help="policies to simulate")
+    s.add_argument("--policy", nargs="+", choices=(*SIM_POLICIES, "all"), default=["all"],
+                   type=lambda name: name.replace("_", "-"),  # also the sampler's spelling, e.g. cost_grouped
+                   help="policies to simulate")
     s.add_argument("--truth", default="plan",
                    help="cost model to score against: 'plan' (the calibration's own model, default); 'power' or "
                         "'quadratic' (the calibration's measured points refitted with that model); another "

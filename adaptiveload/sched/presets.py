@@ -9,7 +9,10 @@ refit of the five):
 * ``anchors-wan1.3b`` -- quadratic ``t = 18.75 ms + 7.16e-3 ms*B*S + 3.957e-7 ms*B*S^2`` (R^2 0.998);
 * ``anchors-wan1.3b-power`` -- power ``t = 29.3 ms + 2.706e-4 ms*B*S^1.41`` (p +- 0.04, R^2 0.987).
 
-The memory model is fitted to the five points' peak memory (~4.8 GiB + ~1.07 MiB per token).
+The memory model is fitted to the five points' peak memory: 5.07 GiB + 1.052 MiB per token, measured
+up to B·S = 32,760 tokens. A 120 GiB budget extrapolates it to ~100k tokens per batch, which the
+compiled training step of the project's model fits (88–90 GiB peak on an H200) but eager PyTorch
+does not (it keeps more activations): plan eager training with a smaller budget.
 """
 from __future__ import annotations
 

@@ -57,7 +57,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                       help="samples: size of the reference mix (default 256), or the first rows of --manifest")
     data.add_argument("--downscale", type=_positive_int, default=None,
                       help="divide heights and widths by this factor (default 8 on CPU, 1 on GPU)")
-    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--seed", type=int, default=0,
+                      help="seed of the corpus, the model's initial weights, the data and the sampler (default 0)")
 
 
 def _model_source(args) -> tuple:
@@ -171,7 +172,7 @@ def add_commands(subparsers) -> None:
     run.add_argument("--memory-budget-gb", type=float, default=None, help="memory budget to plan for (default: the GPU's)")
     run.add_argument("--m-mem", type=_positive_int, default=None, help="fixed tokens per batch instead of planning it")
     run.add_argument("--drop-oversized", action="store_true", help="drop buckets longer than the memory limit")
-    run.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    run.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     run.add_argument("--baseline", action="store_true",
                      help="also run equal-token + plain torch.compile (Inductor; eager on CPU) and compare")
     run.add_argument("--baseline-backend", default=None, help="compile backend of the baseline run")

@@ -49,6 +49,14 @@ def test_simulate_json(tmp_path, capsys):
                  "--world-size", "4", "--m-mem", "151200", "--num-samples", "5000"]) == 0
 
 
+def test_simulate_takes_the_samplers_policy_spelling(tmp_path):
+    """`train`/`plan` say cost_grouped; simulate accepts it as cost-grouped."""
+    out = tmp_path / "sim.json"
+    assert _run(["simulate", "--calibration", "anchors-wan1.3b", "--policy", "cost_grouped", "equal-token",
+                 "--world-size", "2", "--m-mem", "151200", "--num-samples", "2000", "--json", str(out)]) == 0
+    assert [r["policy"] for r in json.loads(out.read_text())] == ["cost-grouped", "equal-token"]
+
+
 def test_missing_calibration_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="calibration not found: nope.json"):
         _run(["simulate", "--calibration", "nope.json", "--world-size", "2"])
