@@ -45,3 +45,25 @@ def read_json(path, what: str):
             return json.load(f)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: not valid JSON (line {err.lineno}: {err.msg})") from None
+
+
+def check_header(doc, *, fmt: str, version: int, what: str, where: str, required=()) -> None:
+    """Check a parsed project file's ``format``, ``version`` and required top-level fields.
+
+    Args:
+        doc: the parsed JSON.
+        fmt, version: the expected ``format`` and ``version`` fields.
+        what: the kind of file, for messages ("calibration", "plan").
+        where: where it came from (a path), prefixed to every message.
+        required: field names that must be present.
+
+    Raises:
+        ValueError: not a dict or another format, an unsupported version, a missing field (named).
+    """
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        raise ValueError(f"{where}: not an adaptiveload {what} (field 'format' must be {fmt!r})")
+    if doc.get("version") != version:
+        raise ValueError(f"{where}: {what} format version {doc.get('version')!r} is not supported (expected {version})")
+    for key in required:
+        if key not in doc:
+            raise ValueError(f"{where}: missing field '{key}'")

@@ -17,6 +17,8 @@ import json
 import os
 import sys
 
+from adaptiveload.jsonfile import check_header
+from adaptiveload.train.job import RESULTS_FORMAT, RESULTS_VERSION
 from results_file import run_context, write_json_and_markdown
 
 GIB = 2**30
@@ -39,8 +41,11 @@ def summarize(path: str) -> dict:
     """One row per run of a results file."""
     with open(path) as f:
         doc = json.load(f)
-    if not isinstance(doc, dict) or doc.get("format") != "adaptiveload.train-results":
-        raise SystemExit(f"{path}: not a results.json of `adaptiveload train` (no format 'adaptiveload.train-results')")
+    try:
+        check_header(doc, fmt=RESULTS_FORMAT, version=RESULTS_VERSION, what="train results", where=path,
+                     required=("runs",))
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     rows = []
     for run in doc["runs"]:
         peaks = run.get("peak_memory_bytes_per_rank") or []

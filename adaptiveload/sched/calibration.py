@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adaptiveload.jsonfile import read_json, write_json_atomic
+from adaptiveload.jsonfile import check_header, read_json, write_json_atomic
 from adaptiveload.sched.cost_model import CostModel, fit_cost_model
 from adaptiveload.sched.memory_model import MemoryModel
 
@@ -142,13 +142,8 @@ class Calibration:
 
     @classmethod
     def from_json(cls, d: dict, *, where: str = "calibration") -> "Calibration":
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise ValueError(f"{where}: not an adaptiveload calibration (field 'format' must be {FORMAT!r})")
-        if d.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{where}: calibration format version {d.get('version')!r} is not supported (expected {FORMAT_VERSION})")
-        for key in ("cost_model", "points"):
-            if key not in d:
-                raise ValueError(f"{where}: missing field '{key}'")
+        check_header(d, fmt=FORMAT, version=FORMAT_VERSION, what="calibration", where=where,
+                     required=("cost_model", "points"))
         try:
             points = [_check_point(i, p) for i, p in enumerate(d["points"])]
             cost = CostModel.from_json(d["cost_model"])

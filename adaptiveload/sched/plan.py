@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adaptiveload.jsonfile import read_json, write_json_atomic
+from adaptiveload.jsonfile import check_header, read_json, write_json_atomic
 from adaptiveload.sched.calibration import Calibration
 from adaptiveload.sched.cost_model import CostModel, PowerCostModel
 from adaptiveload.sched.manifest import Manifest
@@ -158,13 +158,8 @@ class Plan:
 
     @classmethod
     def from_json(cls, d: dict, *, where: str = "plan") -> "Plan":
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise ValueError(f"{where}: not an adaptiveload plan (field 'format' must be {FORMAT!r})")
-        if d.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{where}: plan format version {d.get('version')!r} is not supported (expected {FORMAT_VERSION})")
-        for key in ("world_size", "policy", "m_mem", "step_budget_s", "cost_model", "buckets"):
-            if key not in d:
-                raise ValueError(f"{where}: missing field '{key}'")
+        check_header(d, fmt=FORMAT, version=FORMAT_VERSION, what="plan", where=where,
+                     required=("world_size", "policy", "m_mem", "step_budget_s", "cost_model", "buckets"))
         try:
             cost = CostModel.from_json(d["cost_model"])
         except ValueError as err:

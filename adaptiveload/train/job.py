@@ -61,6 +61,7 @@ QUICK_BATCH_SIZES = (1, 2, 4)  # quick calibration: batch sizes per shape
 QUICK_SHAPES = 3  # quick calibration: bucket shapes spread over S
 QUICK_TOKEN_FACTOR = 2  # quick calibration: B*S up to this many longest samples
 CALIBRATION_FILE = "calibration.json"  # the quick calibration, in the output folder
+RESULTS_FORMAT, RESULTS_VERSION = "adaptiveload.train-results", 1  # results.json
 
 
 class TrainingFailed(RuntimeError):
@@ -357,11 +358,15 @@ def train_run(cfg: JobConfig, run: RunSpec, corpus, ctx: DistContext, calibratio
                      "sampler": sampler.state_dict(consumed_steps=state.consumed_in_epoch)}
         save_checkpoint(ckpt_dir, state.step, step.module, step.optimizer, job_state, ctx)
 
-    if failure is not None:
-        finish("failed", failure)
+    def fail(message: str):
+        """Stop the run on every rank, keeping what was measured in the results."""
+        finish("failed", message)
         if ctx.is_main:
             report(result)
-        raise TrainingFailed(failure)
+        raise TrainingFailed(message)
+
+    if failure is not None:
+        fail(failure)
     if not state.evals:
         state.evals.append([0, _evaluate(step, evals_set)])
     step.reset_peak_memory()
@@ -382,10 +387,7 @@ def train_run(cfg: JobConfig, run: RunSpec, corpus, ctx: DistContext, calibratio
             record, failure = _one_step(step, batches, ctx, state.step,
                                         profile=cfg.profile_every > 0 and state.step % cfg.profile_every == 0)
             if failure is not None:
-                finish("failed", failure)
-                if ctx.is_main:
-                    report(result)
-                raise TrainingFailed(failure)
+                fail(failure)
             record["step"] = state.step
             state.history.append(record)
             state.train_wall_s += record["step_time_s"]
@@ -525,7 +527,7 @@ def run_job(cfg: JobConfig, ctx: DistContext) -> dict:
     if ctx.is_main:
         os.makedirs(cfg.out, exist_ok=True)
     results = {
-        "format": "adaptiveload.train-results", "version": 1,
+        "format": RESULTS_FORMAT, "version": RESULTS_VERSION,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch_version": torch.__version__, "device": device_description(ctx.device), "world_size": ctx.world_size,
         "config": dataclasses.asdict(cfg), "downscale": downscale,

@@ -24,8 +24,8 @@ process computes on all the step's samples.
 
 Dynamic sequence length: the batch, frame, height and width dims of the inputs are marked dynamic
 and equal sizes get separate symbols (no "duck shapes"), so a new bucket shape does not recompile.
-Sizes of 1 are still specialised (torch's 0/1 rule): B = 1 and single-frame (image) batches each add
-one graph, at most four graphs in all, compiled in warm-up. Tracing with
+Sizes of 1 are still specialised (torch's 0/1 rule): B = 1 adds a graph of each compiled block (a
+model compiled whole also adds graphs for single-frame batches: at most four), compiled in warm-up. Tracing with
 ``backed_size_oblivious`` instead would avoid those but made Inductor guard on every sequence length
 (a recompile per bucket) and, under FSDP2 on torch 2.11, bake the first sequence length into the
 strides of saved activations (pytorch/pytorch#191885).
@@ -241,7 +241,8 @@ class TrainStep:
         ctx: :class:`DistContext` (rank, world size, device).
 
     Attributes:
-        module: the (possibly FSDP2-sharded) module, uncompiled; evaluation runs it eagerly.
+        module: the (possibly FSDP2-sharded) module, its blocks' forwards compiled; evaluation runs
+            it eagerly.
         compiled: what a training step calls: ``module`` with each block's forward compiled, or the
             whole module compiled when it has no list of blocks (``module`` itself for the eager backend).
         optimizer: ``torch.optim.AdamW``.
