@@ -122,7 +122,7 @@ def measure_point(
         ``{"status", "step_time_s", "peak_memory_bytes", "message"}`` (time/memory None unless ok;
         peak memory None on CPU).
     """
-    batch = synthetic_batch(spec, batch_size, tuple(latent_shape), seed=seed)
+    batch = synthetic_batch(spec, batch_size, tuple(latent_shape), seed=seed, device=step.device)
     global_samples = batch_size * step.ctx.world_size
     step.synchronize()
     step.reset_peak_memory()

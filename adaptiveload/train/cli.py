@@ -182,7 +182,9 @@ def add_commands(subparsers) -> None:
     run.add_argument("--eval-every", type=_positive_int, default=10, help="evaluate the fixed batch every N steps")
     run.add_argument("--eval-samples", type=_positive_int, default=4, help="samples in the fixed evaluation batch")
     run.add_argument("--profile-every", type=int, default=5, help="profile every N-th step for busy time (0: never)")
-    run.add_argument("--workers", type=int, default=None, help="DataLoader workers (default 4 on GPU, 0 on CPU)")
+    run.add_argument("--workers", type=int, default=0,
+                     help="DataLoader worker processes drawing the synthetic samples on the CPU (then pinned and "
+                          "copied); default 0: drawn on the training device itself")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     train.set_defaults(func=run_train)
 

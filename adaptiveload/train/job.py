@@ -99,7 +99,7 @@ class JobConfig:
     eval_samples: int = 4
     profile_every: int = 5
     checkpoint_every: int = 0
-    workers: Optional[int] = None
+    workers: int = 0
     quiet: bool = False
 
     def __post_init__(self):
@@ -109,7 +109,7 @@ class JobConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        for name in ("profile_every", "checkpoint_every"):
+        for name in ("profile_every", "checkpoint_every", "workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
 
@@ -189,15 +189,15 @@ def make_sampler(kind: str, plan: Plan, corpus, ctx: DistContext, seed: int, pol
                                        patch_size=plan.patch_size)
 
 
-def eval_batches(corpus, spec, seed: int, count: int) -> list[Batch]:
+def eval_batches(corpus, spec, seed: int, count: int, device: torch.device) -> list[Batch]:
     """A fixed evaluation set: ``count`` single-sample batches of shapes spread from the shortest to
-    the longest bucket, with their own seeded latents, noise and σ (uniform)."""
+    the longest bucket, with their own seeded latents, noise and σ (uniform), drawn on ``device``."""
     shapes = bucket_shapes(corpus)
     seq = shapes.prod(axis=1)
     shapes = shapes[np.argsort(seq, kind="stable")]
     picks = shapes[np.unique(np.linspace(0, len(shapes) - 1, count).round().astype(int))]
     picks = np.resize(picks, (count, 3))
-    dataset = LatentDataset(picks, spec, seed=seed + 7919, sigma_sampling="uniform")
+    dataset = LatentDataset(picks, spec, seed=seed + 7919, sigma_sampling="uniform", device=device)
     return [collate([dataset[i]]) for i in range(count)]
 
 
@@ -245,7 +245,7 @@ def _warm_up(step: TrainStep, spec, sampler: DualConstraintBucketSampler, ctx: D
         every rank stops; out of memory names the bucket and B).
     """
     plan = warm_up_batches(sampler.bucket_keys, sampler.bucket_batch_sizes)
-    batches = (synthetic_batch(spec, batch_size, shape) for batch_size, shape in plan)
+    batches = (synthetic_batch(spec, batch_size, shape, device=step.device) for batch_size, shape in plan)
     with step.frozen_weights():
         for index in range(len(plan)):
             _, failure = _one_step(step, batches, ctx, index, profile=False)
@@ -315,8 +315,10 @@ def train_run(cfg: JobConfig, run: RunSpec, corpus, ctx: DistContext, calibratio
     failure = _warm_up(step, spec, sampler, ctx)  # before a resume loads optimizer state (frozen_weights clears it)
     warmup_s = time.perf_counter() - compile_start
     graphs_warm = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    dataset = LatentDataset(corpus.latent_shapes, spec, seed=cfg.seed)
-    evals_set = eval_batches(corpus, spec, cfg.seed, cfg.eval_samples)
+    # without worker processes the samples are drawn on the training device (data module docstring)
+    data_device = ctx.device if cfg.workers == 0 else torch.device("cpu")
+    dataset = LatentDataset(corpus.latent_shapes, spec, seed=cfg.seed, device=data_device)
+    evals_set = eval_batches(corpus, spec, cfg.seed, cfg.eval_samples, ctx.device)
     steps_per_epoch = sampler.steps_per_epoch()
     total_steps = cfg.steps or steps_per_epoch
     ckpt_dir = os.path.join(out_dir, "checkpoint")
@@ -371,10 +373,9 @@ def train_run(cfg: JobConfig, run: RunSpec, corpus, ctx: DistContext, calibratio
         state.evals.append([0, _evaluate(step, evals_set)])
     step.reset_peak_memory()
     bar = tqdm(total=total_steps, initial=state.step, desc=run.name, unit="step", disable=not progress, leave=False)
-    loader_kwargs = {"num_workers": cfg.workers if cfg.workers is not None else (4 if ctx.device.type == "cuda" else 0),
-                     "pin_memory": ctx.device.type == "cuda", "collate_fn": collate}
-    if loader_kwargs["num_workers"] == 0:
-        loader_kwargs.pop("pin_memory")
+    loader_kwargs = {"num_workers": cfg.workers, "collate_fn": collate}
+    if cfg.workers > 0:
+        loader_kwargs["pin_memory"] = ctx.device.type == "cuda"
     while state.step < total_steps:
         sampler.set_epoch(state.epoch)
         dataset.set_epoch(state.epoch)

@@ -70,3 +70,21 @@ def test_bad_shapes_and_indices():
     with pytest.raises(IndexError, match="out of range"):
         LatentDataset([[1, 2, 2]], SPEC)[1]
     assert len(synthetic_batch(SPEC, 3, (1, 2, 2))) == 3
+
+
+@pytest.mark.cuda
+def test_draws_on_the_gpu_are_per_sample_deterministic_and_stay_there():
+    shapes = [[1, 6, 12], [5, 10, 20], [1, 6, 12]]
+    ds = LatentDataset(shapes, SPEC, seed=3, device="cuda")
+    item = ds[1]
+    assert all(item[k].device.type == "cuda" for k in ("latents", "context", "noise", "sigma"))
+    assert item["latents"].shape == (4, 5, 10, 20) and 0 < item["sigma"] < 1
+    again = LatentDataset(shapes, SPEC, seed=3, device="cuda")
+    _ = again[2]
+    for key in ("latents", "context", "noise", "sigma"):
+        assert torch.equal(again[1][key], item[key])
+    assert not torch.equal(ds[0]["latents"], ds[2]["latents"])
+    # N(0, 1) draws: moments of the 8x32 text embedding and 4x5x10x20 latents
+    assert abs(item["latents"].mean().item()) < 0.1 and abs(item["latents"].std().item() - 1) < 0.1
+    batch = synthetic_batch(SPEC, 2, (1, 2, 2), device="cuda")
+    assert batch.latents.device.type == "cuda" and batch.latents.shape == (2, 4, 1, 2, 2)
