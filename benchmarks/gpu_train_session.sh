@@ -7,8 +7,9 @@
 # Same corpus (reference mix, --samples, --seed) and plan calibration for every configuration. Each run is capped
 # with `timeout` so one hang cannot eat the session; results.json/png of every run and all logs are packed
 # into $OUT/<phase>.tgz (checkpoints are off); Dynamo recompiles and their reasons go to the run logs.
-# ONLY="x2_baseline x2_dual" runs a subset of a phase. A first run on a bare machine compiles cold
-# (about 2.5 min of start-up and warm-up for the 10-layer model under torchrun); later runs hit the cache.
+# ONLY="x2_baseline x2_dual" runs a subset of a phase; BUDGET_GB (default 120) sets --memory-budget-gb;
+# EXTRA holds more arguments for every run (e.g. EXTRA=--drop-oversized).
+# A first run on a bare machine compiles cold (about 2.5 min of start-up and warm-up for the 10-layer model under torchrun); later runs hit the cache.
 set -u
 PHASE=${1:?x1 or x2}
 OUT=${OUT:-/tmp/out}
@@ -17,7 +18,7 @@ RUNS=/tmp/runs
 mkdir -p "$RUNS" "$OUT"
 export TORCH_LOGS=recompiles PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 COMMON=(--preset wan2.1-1.3b --num-layers 10 --samples "${SAMPLES:-128}" --seed 0
-        --calibration "${CALIBRATION:-anchors-wan1.3b}" --memory-budget-gb 120 --quiet)
+        --calibration "${CALIBRATION:-anchors-wan1.3b}" --memory-budget-gb "${BUDGET_GB:-120}" --quiet ${EXTRA:-})
 python -m pip install -q -e . --no-deps --no-build-isolation
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RUNS/gpus.csv"
 python -c "import torch; print(torch.__version__, torch.version.cuda)" > "$RUNS/torch.txt"

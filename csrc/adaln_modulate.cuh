@@ -107,7 +107,7 @@ void run_backward_f16(BwdArgs& a, bool launch, cudaStream_t stream);
 template <typename Kernel>
 void one_wave(Kernel kernel, int threads, size_t smem, int64_t B, int64_t N, int64_t& tiles, int64_t& rows_per_tile) {
   // above 48 KB of dynamic + static shared memory a kernel must opt in (static: < 1 KB here),
-  // done once with the occupancy query below
+  // done with the first occupancy query that needs it
   // the occupancy query costs microseconds: cache it per (kernel, threads, smem, device)
   static std::mutex mu;
   static std::map<std::tuple<const void*, int, size_t, int>, int> cache;
@@ -121,7 +121,16 @@ void one_wave(Kernel kernel, int threads, size_t smem, int64_t B, int64_t N, int
     if (it != cache.end()) per_sm = it->second;
   }
   if (per_sm == 0) {
-    if (smem > 47 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (smem > 47 * 1024) {
+      // the opt-in is one ceiling per kernel: raise it to the device's limit, not to this shape's
+      // size, or a later launch of a larger cached shape (same kernel, more threads) would fail
+      int optin = 0;
+      cudaFuncAttributes attr{};
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+      cudaFuncGetAttributes(&attr, kernel);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           optin - static_cast<int>(attr.sharedSizeBytes));
+    }
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess || per_sm < 1) {
       (void)cudaGetLastError();
       per_sm = 1;

@@ -344,6 +344,15 @@ def test_kernels_long_sequences(kernels, monkeypatch, B, N, D, two_kernel):
 
 
 @pytest.mark.cuda
+def test_kernels_wide_rows_in_any_order(kernels):
+    """Wide rows opt in to more than 48 KB of shared memory; a narrower row of the same kernel in
+    between must not lower the opt-in below what the wider, cached launch needs."""
+    for seed, D in enumerate((16384, 12288, 16384, 9000, 16384)):
+        check_against_float64((1, 64, D), torch.bfloat16, "per-token", "per-sample", True, "cuda", seed,
+                              mod_fp32=True)
+
+
+@pytest.mark.cuda
 def test_kernels_wan_dtype_pattern_bf16_x_fp32_modulation(kernels):
     check_against_float64((2, 4096, 1536), torch.bfloat16, "strided-per-sample", "strided-per-sample", False,
                           "cuda", 8, mod_fp32=True)
