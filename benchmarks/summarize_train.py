@@ -25,7 +25,8 @@ GIB = 2**30
 # flags of `adaptiveload train` rebuilt into each run's command, in this order (config key, flag)
 FLAGS = (("preset", "--preset"), ("num_layers", "--num-layers"), ("samples", "--samples"), ("seed", "--seed"),
          ("calibration", "--calibration"), ("memory_budget_gb", "--memory-budget-gb"), ("m_mem", "--m-mem"),
-         ("backend", "--backend"), ("sampler", "--sampler"), ("policy", "--policy"))
+         ("drop_oversized", "--drop-oversized"), ("backend", "--backend"), ("sampler", "--sampler"),
+         ("policy", "--policy"))
 
 
 def train_command(doc: dict) -> str:
@@ -33,7 +34,8 @@ def train_command(doc: dict) -> str:
     cfg = doc["config"]
     world = doc["world_size"]
     head = (f"torchrun --nproc-per-node {world} -m adaptiveload train" if world > 1 else "adaptiveload train")
-    args = [f"{flag} {cfg[key]}" for key, flag in FLAGS if cfg.get(key) is not None]
+    args = [flag if cfg[key] is True else f"{flag} {cfg[key]}"
+            for key, flag in FLAGS if cfg.get(key) is not None and cfg[key] is not False]
     return " ".join([head, *args])
 
 

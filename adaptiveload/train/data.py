@@ -7,9 +7,9 @@ two-rank run and a one-process run on the same samples see identical inputs.
 
 Where draws happen: on the CPU by default (in DataLoader workers, then pinned and copied), or on the
 training device itself (``device="cuda"``) — a GPU draws a batch's random tensors in microseconds,
-where the CPU spends about 20 ms per 8 MB text embedding, enough to stall the steps of short-sequence
-buckets with large batches. The same seed gives the same values on every device of one type; CPU and
-CUDA draws differ.
+where one CPU core spends about 15 ms per sample of the Wan shapes (its 512 x 4096 float32 text
+embedding), then pins and copies it. The same seed gives the same values on every device of one
+type; CPU and CUDA draws differ.
 
 σ sampling: ``"logit_normal"`` (default) draws σ = sigmoid(n), n ~ N(0, 1) — the logit-normal
 schedule of Esser et al. 2024 ("Scaling Rectified Flow Transformers", §3.1, m = 0, s = 1), which

@@ -52,7 +52,7 @@ from adaptiveload.train.distributed import DistContext
 from adaptiveload.train.metrics import busy_time_s, load_balance, summarize
 from adaptiveload.train.setup import (bucket_shapes, build_step, default_downscale, device_description,
                                      device_memory_bytes, load_corpus)
-from adaptiveload.train.step import StepConfig, TrainStep
+from adaptiveload.train.step import NonFiniteStep, StepConfig, TrainStep
 
 logger = logging.getLogger("adaptiveload.train")
 
@@ -270,10 +270,14 @@ def _failure_message(rows: np.ndarray, messages: list, step_index: int) -> str:
         if status == 0:
             continue
         shape = "x".join(str(int(v)) for v in row[6:9])
-        what = {1: "ran out of memory", 2: "failed", 3: "gave up waiting for a failed rank (collective timed out)"}[status]
+        what = {1: "ran out of memory", 2: "failed", 3: "gave up waiting for a failed rank (collective timed out)",
+                4: "got a non-finite loss or gradient"}[status]
         parts.append(f"rank {rank} {what} on bucket latent {shape} (S={int(row[5]):,}) with B={int(row[4])}"
                      + (f" ({messages[rank]})" if messages[rank] else ""))
     text = f"step {step_index}: " + "; ".join(parts)
+    if (rows[:, 0] == 4).any():
+        text += ("; the weights are unchanged; compare the same bucket under --backend eager to tell a "
+                 "model problem from a compiler one")
     if (rows[:, 0] == 1).any():
         text += ("; recalibrate with a smaller memory budget (adaptiveload train --memory-budget-gb ..., or "
                  "adaptiveload calibrate) or turn on activation checkpointing")
@@ -431,6 +435,8 @@ def _one_step(step: TrainStep, batches, ctx: DistContext, index: int, profile: b
         else:
             loss = float(step(batch, int(counts[0])))
             step.synchronize()
+    except NonFiniteStep as err:
+        status, message = 4, str(err)
     except torch.OutOfMemoryError as err:
         status, message = 1, str(err).splitlines()[0][:200]
         step.optimizer.zero_grad(set_to_none=True)

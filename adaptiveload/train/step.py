@@ -55,6 +55,15 @@ except ImportError:  # pragma: no cover - depends on the torch release
     from torch.distributed._composable.fsdp import fully_shard
 
 
+class NonFiniteStep(RuntimeError):
+    """A training step produced a non-finite loss or gradient; its optimizer step was skipped."""
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a gradient (FSDP2 keeps them as DTensors), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 @dataclass(frozen=True)
 class InputSpec:
     """What one sample looks like to the model.
@@ -341,9 +350,37 @@ class TrainStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def check_finite(self, loss_sum: Tensor) -> None:
+        """Raise before the optimizer step if the loss or any of this rank's gradients is not finite.
+
+        AdamW would spread one NaN gradient into the weights (even at learning rate 0: 0·NaN = NaN),
+        so the step is refused instead and the weights stay as they were. One norm over the local
+        gradient shards (``torch.nn.utils.get_total_norm``) and one host sync per step.
+
+        Raises:
+            NonFiniteStep: naming the loss and up to three parameters with non-finite gradients;
+                the gradients are cleared.
+        """
+        grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        finite = torch.isfinite(loss_sum)
+        if grads:
+            finite = finite & torch.isfinite(torch.nn.utils.get_total_norm(grads).to(finite.device))
+        if bool(finite):
+            return
+        bad = [name for name, p in self.module.named_parameters()
+               if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())]
+        self.optimizer.zero_grad(set_to_none=True)
+        where = f"; non-finite gradients in {len(bad)} parameter(s): {', '.join(bad[:3])}" if bad else ""
+        raise NonFiniteStep(f"loss {float(loss_sum):.6g}{where}; the optimizer step was skipped")
+
     def __call__(self, batch, global_num_samples: int) -> Tensor:
-        """One full training step (forward, loss, backward, optimizer); returns the local loss sum."""
+        """One full training step (forward, loss, backward, optimizer); returns the local loss sum.
+
+        Raises:
+            NonFiniteStep: the loss or a gradient is not finite (the weights are left unchanged).
+        """
         loss_sum = self.forward_backward(batch, global_num_samples)
+        self.check_finite(loss_sum)
         self.optimizer_step()
         return loss_sum
 

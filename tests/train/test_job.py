@@ -136,6 +136,21 @@ def test_out_of_memory_in_a_bucket_names_it_and_keeps_results(tmp_path, run_cli)
     assert run["steps"] == len(run["history"])  # the steps before the failure are kept
 
 
+def test_non_finite_gradient_in_a_bucket_names_it_and_keeps_the_weights(tmp_path, run_cli):
+    """A NaN gradient at one shape stops the run in warm-up (which covers the longest bucket) with the
+    bucket, B and the parameter named; nothing is written into the weights."""
+    out = tmp_path / "out"
+    proc = run_cli("train", "--model", "faulty_model:nan_gradient_on_long_videos", "--backend", "eager",
+                   "--calibration", "anchors-wan1.3b", "--m-mem", "2100", "--samples", "64",
+                   "--profile-every", "0", "--quiet", "--out", out, timeout=200)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "warm-up step" in proc.stdout and "rank 0 got a non-finite loss or gradient on bucket latent" in proc.stdout
+    assert "non-finite gradients in" in proc.stdout and "the optimizer step was skipped" in proc.stdout
+    assert "the weights are unchanged" in proc.stdout
+    (run,) = _results(out)["runs"]
+    assert run["status"] == "failed" and "non-finite" in run["error"]
+
+
 @pytest.mark.parametrize("args, message", [
     (("--preset", "wan9"), "unknown model preset 'wan9'"),
     (("--manifest", "MISSING.csv"), "MISSING.csv"),

@@ -1,5 +1,6 @@
 """TrainStep: the flow-matching loss, global-sample normalisation (one process and FSDP2 over gloo),
 frozen-weight steps, one compiled graph for every bucket, and model loading errors."""
+import contextlib
 import textwrap
 
 import pytest
@@ -7,7 +8,8 @@ import torch
 
 from adaptiveload.train.data import Batch, LatentDataset, collate, synthetic_batch
 from adaptiveload.train.distributed import DistContext
-from adaptiveload.train.step import InputSpec, StepConfig, TrainStep, flow_matching_loss, load_model
+from adaptiveload.train.step import (InputSpec, NonFiniteStep, StepConfig, TrainStep, flow_matching_loss,
+                                     load_model)
 
 
 def _tiny_step(backend="eager", lr=1e-3, seed=0):
@@ -70,6 +72,38 @@ def test_frozen_weights_run_steps_without_changing_the_model():
     assert not step.optimizer.state and step.optimizer.param_groups[0]["lr"] == 1e-2
     step(synthetic_batch(spec, 2, (1, 4, 4)), 2)  # a real step moves the weights
     assert any(not torch.equal(p, before[n]) for n, p in step.module.named_parameters())
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_non_finite_gradient_skips_the_update_and_names_the_parameter(frozen):
+    """A NaN gradient (finite loss) is refused before AdamW, which would write NaN into the weights
+    even at learning rate 0 (warm-up's frozen steps); the next clean step trains normally."""
+    step, spec = _tiny_step(lr=1e-2)
+    before = {n: p.detach().clone() for n, p in step.module.named_parameters()}
+    name, param = next((n, p) for n, p in step.module.named_parameters() if n.endswith("weight"))
+    hook = param.register_hook(lambda g: torch.full_like(g, float("nan")))
+    batch = synthetic_batch(spec, 2, (1, 4, 4))
+    context = step.frozen_weights() if frozen else contextlib.nullcontext()
+    with context, pytest.raises(NonFiniteStep, match=rf"loss \d[\d.]*; non-finite gradients in 1 parameter\(s\): {name};"):
+        step(batch, 2)
+    assert all(p.grad is None for p in step.module.parameters())
+    for n, p in step.module.named_parameters():
+        assert torch.equal(p, before[n]), n
+    hook.remove()
+    step(batch, 2)
+    assert all(torch.isfinite(p).all() for p in step.module.parameters())
+    assert any(not torch.equal(p, before[n]) for n, p in step.module.named_parameters())
+
+
+def test_a_non_finite_loss_skips_the_update():
+    step, spec = _tiny_step()
+    batch = synthetic_batch(spec, 2, (1, 4, 4))
+    batch.latents[1, 0, 0, 0, 0] = float("inf")
+    before = {n: p.detach().clone() for n, p in step.module.named_parameters()}
+    with pytest.raises(NonFiniteStep, match=r"loss (nan|inf)"):
+        step(batch, 2)
+    for n, p in step.module.named_parameters():
+        assert torch.equal(p, before[n]), n
 
 
 def test_new_bucket_shapes_reuse_the_graphs_of_their_size_class():

@@ -1,0 +1,142 @@
+"""Where a training step's GPU time goes, per compile backend: kernel time by category for one batch.
+
+    python benchmarks/profile_train_step.py --backend adaptiveload inductor --num-layers 10 \
+        --batch-size 1 --latent 21 60 104 --check 1x1x60x104 30x1x60x104 1x13x90x160
+
+For each backend (one after the other, on the same GPU, same seed and weights): build the training
+step of ``adaptiveload train`` (regional compilation, bf16 autocast, AdamW); run each ``--check``
+batch (B x T x H x W) once with frozen weights and record its loss and whether the step was refused
+for a non-finite loss or gradient; then time ``--repeats`` steps of the profiled batch after two
+warm-up steps and profile one more with ``torch.profiler``, summing kernel time by category:
+attention (cuDNN/flash SDPA), GEMM (cuBLAS nvjet/cutlass), the fused op's kernels (adaln::),
+optimizer (AdamW's multi-tensor kernels), other Triton kernels (Inductor's fusions), other.
+Prints a table per backend and writes ``<out>/profile_train_step_<tag>.json`` with the GPU, torch
+version, date and command.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+import torch
+
+from adaptiveload.train.data import synthetic_batch
+from adaptiveload.train.distributed import DistContext
+from adaptiveload.train.step import InputSpec, NonFiniteStep, StepConfig, TrainStep, load_model
+from results_file import run_context, write_json_and_markdown
+
+CATEGORIES = (  # (category, substrings of a kernel name, lower case), first match wins
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "matmul")),
+    ("adaln kernels", ("adaln",)),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("triton", ("triton",)),
+)
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in name for k in keys)), "other")
+
+
+def shape_arg(text: str) -> tuple[int, tuple[int, int, int]]:
+    """'BxTxHxW' -> (B, (T, H, W))."""
+    parts = text.lower().split("x")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected BxTxHxW with positive integers, got {text!r}")
+    b, t, h, w = map(int, parts)
+    return b, (t, h, w)
+
+
+def profile_backend(args, backend: str, device: torch.device) -> dict:
+    """Checks, step times and the kernel-time profile of one backend (module docstring)."""
+    torch.manual_seed(args.seed)
+    model = load_model(preset=args.preset, num_layers=args.num_layers)
+    step = TrainStep(model, StepConfig(backend=backend, inner="inductor", learning_rate=1e-4),
+                     DistContext(device=device))
+    spec = InputSpec.from_model(step.module)
+    checks = []
+    with step.frozen_weights():
+        for b, shape in args.check:
+            batch = synthetic_batch(spec, b, shape, device=step.device)
+            try:
+                loss, error = float(step(batch, b)) / b, None
+            except NonFiniteStep as err:
+                loss, error = None, str(err)
+            checks.append({"batch_size": b, "latent": list(shape), "loss_per_sample": loss, "non_finite": error})
+            print(f"{backend}: check B={b} latent={shape}: " + (error or f"loss/sample {loss:.4f}"), flush=True)
+    batch = synthetic_batch(spec, args.batch_size, tuple(args.latent), device=step.device)
+    for _ in range(2):
+        step(batch, args.batch_size)
+    step.synchronize()
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        step(batch, args.batch_size)
+        step.synchronize()
+        times.append(time.perf_counter() - start)
+    activity = "CUDA" if step.device.type == "cuda" else "CPU"  # CPU: a smoke run, no kernels counted
+    with torch.profiler.profile(activities=[getattr(torch.profiler.ProfilerActivity, activity)]) as prof:
+        step(batch, args.batch_size)
+        step.synchronize()
+    per_kernel, calls = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name] += event.time_range.elapsed_us() / 1e3
+            calls[event.name] += 1
+    per_category = collections.Counter()
+    for name, ms in per_kernel.items():
+        per_category[category(name)] += ms
+    return {"backend": backend, "checks": checks, "step_ms_median": 1e3 * sorted(times)[len(times) // 2],
+            "step_ms_all": [1e3 * t for t in times], "kernel_ms": sum(per_kernel.values()),
+            "kernel_ms_by_category": dict(per_category.most_common()),
+            "top_kernels": [{"name": n, "ms": ms, "calls": calls[n]} for n, ms in per_kernel.most_common(args.top)]}
+
+
+def table(results: list[dict]) -> str:
+    cats = sorted({c for r in results for c in r["kernel_ms_by_category"]})
+    head = ["backend", "step ms (median)", "kernel ms", *cats]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        cells = [r["backend"], f"{r['step_ms_median']:.1f}", f"{r['kernel_ms']:.1f}",
+                 *(f"{r['kernel_ms_by_category'].get(c, 0.0):.2f}" for c in cats)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", nargs="+", default=["adaptiveload", "inductor"])
+    parser.add_argument("--preset", default="wan2.1-1.3b")
+    parser.add_argument("--num-layers", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--latent", type=int, nargs=3, default=[21, 60, 104], metavar=("T", "H", "W"))
+    parser.add_argument("--check", type=shape_arg, nargs="*", default=[], metavar="BxTxHxW",
+                        help="batches run once each (frozen weights) before profiling, checked for non-finite values")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--top", type=int, default=20, help="kernels listed per backend")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--tag", default="h200")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_train_step: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    results = []
+    for backend in args.backend:
+        results.append(profile_backend(args, backend, torch.device("cuda")))
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    text = table(results)
+    print(text)
+    doc = {**run_context(__file__, argv), "gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda,
+           "batch_size": args.batch_size, "latent": args.latent, "results": results}
+    write_json_and_markdown(args.out, f"profile_train_step_{args.tag}", doc, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
