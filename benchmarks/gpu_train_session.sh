@@ -4,6 +4,9 @@
 #   bash benchmarks/gpu_train_session.sh x1   # one H200 each: eager/inductor/adaptiveload + equal-token, adaptiveload + dual
 #   bash benchmarks/gpu_train_session.sh x1pair  # Inductor and adaptiveload equal-token runs of x1 side by side, one per GPU
 #   bash benchmarks/gpu_train_session.sh all  # x2, then x1pair (SAMPLES_X1)
+#   bash benchmarks/gpu_train_session.sh calib  # `adaptiveload calibrate` of the compiled step, activation
+#                                               # checkpointing off (GPU 0) and on (GPU 1); then e.g.
+#   CALIBRATION=<calib_ckpt.json> EXTRA="--activation-checkpointing on" bash ... x2
 # Same corpus (reference mix, --samples, --seed) and plan calibration for every configuration. Each run is capped
 # with `timeout` so one hang cannot eat the session; results.json/png of every run and all logs are packed
 # into $OUT/<phase>.tgz (checkpoints are off); Dynamo recompiles and their reasons go to the run logs.
@@ -11,7 +14,7 @@
 # EXTRA holds more arguments for every run (e.g. EXTRA=--drop-oversized).
 # A first run on a bare machine compiles cold (about 2.5 min of start-up and warm-up for the 10-layer model under torchrun); later runs hit the cache.
 set -u
-PHASE=${1:?x1 or x2}
+PHASE=${1:?x1, x2, x1pair, all or calib}
 OUT=${OUT:-/tmp/out}
 CAP=${CAP:-140}
 RUNS=/tmp/runs
@@ -53,6 +56,19 @@ case $PHASE in
   x1pair)
     ( export CUDA_VISIBLE_DEVICES=0; train x1_inductor_equal "${ONE[@]}" --backend inductor --sampler equal ) &
     ( export CUDA_VISIBLE_DEVICES=1; train x1_adaptiveload_equal "${ONE[@]}" --backend adaptiveload --sampler equal ) &
+    wait
+    ;;
+  calib)
+    CAL=(python -m adaptiveload calibrate --preset wan2.1-1.3b --num-layers 10 --backend adaptiveload)
+    calibrate() {  # name, then arguments
+      local name=$1; shift
+      echo "== $name: ${CAL[*]} $*" | tee -a "$RUNS/commands.txt"
+      timeout "$CAP" "${CAL[@]}" "$@" --out "$RUNS/$name.json" > "$RUNS/$name.log" 2>&1
+      echo "   exit $? after ${SECONDS}s" | tee -a "$RUNS/commands.txt"
+      tail -n 25 "$RUNS/$name.log"
+    }
+    ( export CUDA_VISIBLE_DEVICES=0; calibrate calib_off --activation-checkpointing off --max-tokens 100000 ) &
+    ( export CUDA_VISIBLE_DEVICES=1; calibrate calib_ckpt --activation-checkpointing on --max-tokens 200000 ) &
     wait
     ;;
   all)

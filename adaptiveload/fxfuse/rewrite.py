@@ -52,7 +52,16 @@ def fuse_adaln(gm: GraphModule, example_inputs: Optional[Sequence[Any]] = None) 
     Every chain is matched and checked before the first mutation, so a chain is either fully
     rewritten or not touched. Each rewrite adds 1 to
     ``torch._dynamo.utils.counters["adaptiveload"]["fused"]`` ("seen"/"skipped" likewise).
+
+    Fake values are computed without autograd: recording it would run the caller's saved-tensor
+    hooks, and activation checkpointing counts what they see, so a graph compiled inside a
+    checkpointed forward would fail its recomputation ("a different number of tensors was saved").
     """
+    with torch.no_grad():
+        return _fuse(gm, example_inputs)
+
+
+def _fuse(gm: GraphModule, example_inputs: Optional[Sequence[Any]]) -> FusionReport:
     if example_inputs is not None and not _has_fake_values(gm):
         _propagate_fake_values(gm, example_inputs)
     plan = []  # (graph module, [(chain, verdict, record)])
