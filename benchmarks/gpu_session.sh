@@ -7,6 +7,9 @@
 #   sanitize   benchmarks/sanitize.sh on GPU 1 after the tests
 #   sweep      op-only timings over thread caps (ADAPTIVELOAD_MAX_THREADS) on GPU 0
 #   bench-quick / bench   benchmarks/bench_adaln.py on GPU 0 (a subset / the full grid)
+#   ncu        Nsight Compute on GPU 0: speed-of-light, occupancy, launch, warp-state and memory
+#              sections of the forward, one-pass backward and reduce kernels at N = 65536, bf16,
+#              D = 1536 / 3072 / 5120, per-sample fp32 modulation (clocks left alone) -> $OUT/ncu.txt
 # Usage: benchmarks/gpu_session.sh build tests sweep bench-quick
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -84,6 +87,25 @@ for (B, N, D, pt) in [(1, 65536, 1536, False), (1, 65536, 3072, False), (1, 6553
               f"bwd {g1:.3f} ({100 * solb / g1:.0f}%) two-kernel {g2:.3f} ({100 * solb / g2:.0f}%)", flush=True)
 PY
   echo "sweep: exit $?"; cat "$OUT/sweep.log"
+fi
+if want ncu; then
+  cat >/tmp/ncu_cases.py <<'PY'
+import torch
+import adaptiveload  # noqa: F401
+op, bwd = torch.ops.adaptiveload.adaln_modulate, torch.ops.adaptiveload.adaln_modulate_backward
+for D in (1536, 3072, 5120):
+    x = torch.randn(1, 65536, D, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    s, h = (0.1 * torch.randn(1, 2 * D, device="cuda")).chunk(2, -1)
+    s, h = s.unsqueeze(1), h.unsqueeze(1)
+    y, mean, rstd = op(x, None, None, s, h, 1e-6, torch.bfloat16)
+    bwd(dy, x, None, None, s, h, mean, rstd)
+torch.cuda.synchronize()
+PY
+  ADAPTIVELOAD_REQUIRE_KERNEL=1 timeout 240 ncu --clock-control none -k regex:adaln \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis python3 /tmp/ncu_cases.py >"$OUT/ncu.txt" 2>&1
+  echo "ncu: exit $?"; grep -E "adaln::|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Size|Grid Size|Duration" "$OUT/ncu.txt" | head -90
 fi
 if want bench-quick; then
   timeout 300 python3 benchmarks/bench_adaln.py --B 1 2 --N 65536 --D 1536 3072 5120 --layouts per-sample \
