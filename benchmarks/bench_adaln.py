@@ -24,18 +24,17 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from results_file import run_context, write_json_and_markdown
 
 # The grid of the issue: B x N x D x modulation layout x dtype pattern.
 DEFAULT_B = (1, 2)
@@ -383,16 +382,10 @@ def main(argv=None) -> int:
 def write_results(args, props, bw, rows) -> str:
     import triton
 
-    doc = {
-        "gpu": props.name, "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-        "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python benchmarks/bench_adaln.py", *sys.argv[1:]]),
-        "copy_TBps": bw / 1e12, "rows": rows,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"adaln_{args.tag}.json").write_text(json.dumps(doc, indent=1))
+    doc = {**run_context(__file__, None), "gpu": props.name, "cuda": torch.version.cuda,
+           "triton": triton.__version__, "copy_TBps": bw / 1e12, "rows": rows}
     md = markdown(doc)
-    (args.out / f"adaln_{args.tag}.md").write_text(md)
+    write_json_and_markdown(str(args.out), f"adaln_{args.tag}", doc, md.rstrip("\n"))
     return md
 
 
