@@ -1,17 +1,18 @@
-"""Where a training step's GPU time goes, per compile backend: kernel time by category for one batch.
+r"""Where a training step's GPU time goes, per compile backend: kernel time by category for one batch.
 
     python benchmarks/profile_train_step.py --backend adaptiveload inductor --num-layers 10 \
         --batch-size 1 --latent 21 60 104 --check 1x1x60x104 30x1x60x104 1x13x90x160
 
-For each backend (one after the other, on the same GPU, same seed and weights): build the training
-step of ``adaptiveload train`` (regional compilation, bf16 autocast, AdamW); run each ``--check``
-batch (B x T x H x W) once with frozen weights and record its loss and whether the step was refused
-for a non-finite loss or gradient; then time ``--repeats`` steps of the profiled batch after two
-warm-up steps and profile one more with ``torch.profiler``, summing kernel time by category:
-attention (cuDNN/flash SDPA), GEMM (cuBLAS nvjet/cutlass), the fused op's kernels (adaln::),
-optimizer (AdamW's multi-tensor kernels), other Triton kernels (Inductor's fusions), other.
-Prints a table per backend and writes ``<out>/profile_train_step_<tag>.json`` with the GPU, torch
-version, date and command.
+Needs a CUDA GPU. For each backend (one after the other, on the same GPU, same seed and weights):
+build the training step of ``adaptiveload train`` (regional compilation, bf16 autocast, AdamW); run
+each ``--check`` batch (B x T x H x W) once with frozen weights and record its loss, or that the
+step was refused for a non-finite loss or gradient (``TrainStep.check_finite``: the weights stay
+finite); then, after two warm-up steps, time ``--repeats`` steps of the profiled batch and profile
+one more with ``torch.profiler``, summing kernel time by category: attention (cuDNN/flash SDPA),
+GEMM (cuBLAS nvjet/cutlass), the fused op's kernels (adaln::), optimizer (AdamW's multi-tensor
+kernels), Triton (every Inductor-generated kernel, the LayerNorm/modulate fusions among them),
+other. Prints one table (a row per backend) and writes ``<out>/profile_train_step_<tag>.json`` and
+``.md`` with the GPU, torch version, date and command.
 """
 from __future__ import annotations
 
@@ -78,10 +79,11 @@ def profile_backend(args, backend: str, device: torch.device) -> dict:
         step(batch, args.batch_size)
         step.synchronize()
         times.append(time.perf_counter() - start)
-    activity = "CUDA" if step.device.type == "cuda" else "CPU"  # CPU: a smoke run, no kernels counted
-    with torch.profiler.profile(activities=[getattr(torch.profiler.ProfilerActivity, activity)]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         step(batch, args.batch_size)
         step.synchronize()
+        profiled_wall = time.perf_counter() - start
     per_kernel, calls = collections.Counter(), collections.Counter()
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -91,36 +93,43 @@ def profile_backend(args, backend: str, device: torch.device) -> dict:
     for name, ms in per_kernel.items():
         per_category[category(name)] += ms
     return {"backend": backend, "checks": checks, "step_ms_median": 1e3 * sorted(times)[len(times) // 2],
-            "step_ms_all": [1e3 * t for t in times], "kernel_ms": sum(per_kernel.values()),
+            "step_ms_all": [1e3 * t for t in times], "profiled_step_ms": 1e3 * profiled_wall,
+            "kernel_ms": sum(per_kernel.values()),
             "kernel_ms_by_category": dict(per_category.most_common()),
             "top_kernels": [{"name": n, "ms": ms, "calls": calls[n]} for n, ms in per_kernel.most_common(args.top)]}
 
 
 def table(results: list[dict]) -> str:
     cats = sorted({c for r in results for c in r["kernel_ms_by_category"]})
-    head = ["backend", "step ms (median)", "kernel ms", *cats]
+    head = ["backend", "step ms (median)", "profiled step ms", "its kernel ms", *cats]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        cells = [r["backend"], f"{r['step_ms_median']:.1f}", f"{r['kernel_ms']:.1f}",
+        cells = [r["backend"], f"{r['step_ms_median']:.1f}", f"{r['profiled_step_ms']:.1f}", f"{r['kernel_ms']:.1f}",
                  *(f"{r['kernel_ms_by_category'].get(c, 0.0):.2f}" for c in cats)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", nargs="+", default=["adaptiveload", "inductor"])
-    parser.add_argument("--preset", default="wan2.1-1.3b")
-    parser.add_argument("--num-layers", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--latent", type=int, nargs=3, default=[21, 60, 104], metavar=("T", "H", "W"))
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    parser.add_argument("--backend", nargs="+", default=["adaptiveload", "inductor"],
+                        help="compile backends to compare (adaptiveload, inductor, aot_eager, eager)")
+    parser.add_argument("--preset", default="wan2.1-1.3b", help="model preset")
+    parser.add_argument("--num-layers", type=int, default=10, help="keep this many transformer blocks")
+    parser.add_argument("--batch-size", type=int, default=1, help="B of the profiled batch")
+    parser.add_argument("--latent", type=int, nargs=3, default=[21, 60, 104], metavar=("T", "H", "W"),
+                        help="latent shape of the profiled batch (Wan's 1x2x2 patches: S = T*H*W/4)")
     parser.add_argument("--check", type=shape_arg, nargs="*", default=[], metavar="BxTxHxW",
                         help="batches run once each (frozen weights) before profiling, checked for non-finite values")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--top", type=int, default=20, help="kernels listed per backend")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    parser.add_argument("--tag", default="h200")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps of the profiled batch (median)")
+    parser.add_argument("--top", type=int, default=20, help="kernels listed per backend in the JSON")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                        help="folder of the JSON and markdown results")
+    parser.add_argument("--tag", default="h200", help="results file name: profile_train_step_<tag>.json / .md")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_train_step: needs a CUDA GPU", file=sys.stderr)

@@ -184,7 +184,8 @@ def add_commands(subparsers) -> None:
     run.add_argument("--profile-every", type=int, default=5, help="profile every N-th step for busy time (0: never)")
     run.add_argument("--workers", type=int, default=0,
                      help="DataLoader worker processes drawing the synthetic samples on the CPU (then pinned and "
-                          "copied); default 0: drawn on the training device itself")
+                          "copied to the device); default 0: drawn on the training device itself. CPU and GPU draws "
+                          "give different sample values: published GPU runs used 0")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     train.set_defaults(func=run_train)
 

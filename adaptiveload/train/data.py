@@ -5,8 +5,9 @@ random (or come from a user loader); noise ε and the noise level σ are drawn p
 index), so a sample gets the same noise whichever rank, batch or worker process handles it — a
 two-rank run and a one-process run on the same samples see identical inputs.
 
-Where draws happen: on the CPU by default (in DataLoader workers, then pinned and copied), or on the
-training device itself (``device="cuda"``) — a GPU draws a batch's random tensors in microseconds,
+Where draws happen: on the CPU (``LatentDataset``'s default; in DataLoader workers, then pinned and
+copied), or on the training device itself (``device="cuda"``, what ``adaptiveload train`` does
+unless ``--workers`` is given) — a GPU draws a batch's random tensors in microseconds,
 where one CPU core spends about 15 ms per sample of the Wan shapes (its 512 x 4096 float32 text
 embedding), then pins and copies it. The same seed gives the same values on every device of one
 type; CPU and CUDA draws differ.

@@ -401,7 +401,9 @@ class TrainStep:
         """Run real steps without changing the model: learning rate 0 inside, optimizer state reset after.
 
         AdamW with lr = 0 does all the work of a step (so timings and compiled graphs are the
-        training ones) but leaves every parameter unchanged (its decay term is ``lr·wd·p``).
+        training ones) but leaves every parameter unchanged (its decay term is ``lr·wd·p``) — for
+        finite gradients; a step with non-finite ones is refused by :meth:`check_finite`, since
+        0·NaN = NaN.
         """
         saved = [group["lr"] for group in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
