@@ -73,6 +73,21 @@ def test_default_cpu_run_end_to_end(tmp_path, run_cli):
     assert "adaptiveload+dual" in proc.stdout and "results:" in proc.stdout
 
 
+def test_activation_checkpointing_run_fuses_inside_checkpointed_blocks(tmp_path, run_cli):
+    """--activation-checkpointing on: the quick calibration compiles each graph inside a checkpointed
+    block (its recomputation must match: every calibration point runs), every chain is still fused,
+    and training finishes."""
+    out = tmp_path / "out"
+    proc = run_cli("train", *SHORT, "--activation-checkpointing", "on", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = json.loads((out / "calibration.json").read_text())["points"]
+    assert points and [p["status"] for p in points] == ["ok"] * len(points), points
+    (run,) = _results(out)["runs"]
+    _check_run(run, world_size=1, steps=6)
+    assert run["model"]["activation_checkpointing"] is True
+    assert run["fused_chains"] == run["seen_chains"] == 4 and run["compiled_graphs_in_training"] == 0
+
+
 def test_two_ranks_finish_together_with_complete_metrics(tmp_path, run_cli):
     out = tmp_path / "out"
     args = ("--samples", "48", "--eval-every", "3", "--profile-every", "2", "--quiet", "--backend", "eager")
