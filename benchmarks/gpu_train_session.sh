@@ -27,23 +27,31 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RUNS/gp
 python -c "import torch; print(torch.__version__, torch.version.cuda)" > "$RUNS/torch.txt"
 python -m adaptiveload build > "$RUNS/build.log" 2>&1
 
-train() {  # name, then arguments after the common ones; ONLY="name ..." runs just those
+logged() {  # name, then a whole command: run it under `timeout $CAP`, log it; ONLY="name ..." runs just those
   local name=$1; shift
   [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]] && return
   echo "== $name: $*" | tee -a "$RUNS/commands.txt"
-  timeout "$CAP" "$@" "${COMMON[@]}" --out "$RUNS/$name" > "$RUNS/$name.log" 2>&1
+  timeout "$CAP" "$@" > "$RUNS/$name.log" 2>&1
   echo "   exit $? after ${SECONDS}s" | tee -a "$RUNS/commands.txt"
   tail -n 25 "$RUNS/$name.log"
 }
+train() { local name=$1; shift; logged "$name" "$@" "${COMMON[@]}" --out "$RUNS/$name"; }
 
 TORCHRUN=(python -m torch.distributed.run --standalone --nproc-per-node 2 -m adaptiveload train)
 ONE=(python -m adaptiveload train)
+CAL=(python -m adaptiveload calibrate --preset wan2.1-1.3b --num-layers 10 --backend adaptiveload)
+x2_runs() {
+  train x2_baseline "${TORCHRUN[@]}" --backend inductor --sampler equal
+  train x2_dual "${TORCHRUN[@]}" --backend adaptiveload --sampler dual --policy random
+  train x2_cost_grouped "${TORCHRUN[@]}" --backend adaptiveload --sampler dual --policy cost_grouped
+}
+x1pair_runs() {
+  ( export CUDA_VISIBLE_DEVICES=0; train x1_inductor_equal "${ONE[@]}" --backend inductor --sampler equal ) &
+  ( export CUDA_VISIBLE_DEVICES=1; train x1_adaptiveload_equal "${ONE[@]}" --backend adaptiveload --sampler equal ) &
+  wait
+}
 case $PHASE in
-  x2)
-    train x2_baseline "${TORCHRUN[@]}" --backend inductor --sampler equal
-    train x2_dual "${TORCHRUN[@]}" --backend adaptiveload --sampler dual --policy random
-    train x2_cost_grouped "${TORCHRUN[@]}" --backend adaptiveload --sampler dual --policy cost_grouped
-    ;;
+  x2) x2_runs ;;
   x1)
     ( export CUDA_VISIBLE_DEVICES=0
       train x1_inductor_equal "${ONE[@]}" --backend inductor --sampler equal
@@ -53,32 +61,18 @@ case $PHASE in
       train x1_adaptiveload_dual "${ONE[@]}" --backend adaptiveload --sampler dual ) &
     wait
     ;;
-  x1pair)
-    ( export CUDA_VISIBLE_DEVICES=0; train x1_inductor_equal "${ONE[@]}" --backend inductor --sampler equal ) &
-    ( export CUDA_VISIBLE_DEVICES=1; train x1_adaptiveload_equal "${ONE[@]}" --backend adaptiveload --sampler equal ) &
-    wait
-    ;;
+  x1pair) x1pair_runs ;;
   calib)
-    CAL=(python -m adaptiveload calibrate --preset wan2.1-1.3b --num-layers 10 --backend adaptiveload)
-    calibrate() {  # name, then arguments
-      local name=$1; shift
-      echo "== $name: ${CAL[*]} $*" | tee -a "$RUNS/commands.txt"
-      timeout "$CAP" "${CAL[@]}" "$@" --out "$RUNS/$name.json" > "$RUNS/$name.log" 2>&1
-      echo "   exit $? after ${SECONDS}s" | tee -a "$RUNS/commands.txt"
-      tail -n 25 "$RUNS/$name.log"
-    }
-    ( export CUDA_VISIBLE_DEVICES=0; calibrate calib_off --activation-checkpointing off --max-tokens 100000 ) &
-    ( export CUDA_VISIBLE_DEVICES=1; calibrate calib_ckpt --activation-checkpointing on --max-tokens 200000 ) &
+    ( export CUDA_VISIBLE_DEVICES=0
+      logged calib_off "${CAL[@]}" --activation-checkpointing off --max-tokens 100000 --out "$RUNS/calib_off.json" ) &
+    ( export CUDA_VISIBLE_DEVICES=1
+      logged calib_ckpt "${CAL[@]}" --activation-checkpointing on --max-tokens 200000 --out "$RUNS/calib_ckpt.json" ) &
     wait
     ;;
   all)
-    train x2_baseline "${TORCHRUN[@]}" --backend inductor --sampler equal
-    train x2_dual "${TORCHRUN[@]}" --backend adaptiveload --sampler dual --policy random
-    train x2_cost_grouped "${TORCHRUN[@]}" --backend adaptiveload --sampler dual --policy cost_grouped
+    x2_runs
     COMMON[5]=${SAMPLES_X1:-64}; CAP=${CAP_X1:-$CAP}
-    ( export CUDA_VISIBLE_DEVICES=0; train x1_inductor_equal "${ONE[@]}" --backend inductor --sampler equal ) &
-    ( export CUDA_VISIBLE_DEVICES=1; train x1_adaptiveload_equal "${ONE[@]}" --backend adaptiveload --sampler equal ) &
-    wait
+    x1pair_runs
     ;;
 esac
 tar czf "$OUT/$PHASE.tgz" -C "$RUNS" --exclude='checkpoint*' --exclude='*.pt' --exclude='*.distcp' .
