@@ -7,6 +7,8 @@
 #   sanitize   benchmarks/sanitize.sh on GPU 1 after the tests
 #   sweep      op-only timings over thread caps (ADAPTIVELOAD_MAX_THREADS) on GPU 0
 #   bench-quick / bench   benchmarks/bench_adaln.py on GPU 0 (a subset / the full grid)
+#   ring       forward timings of the shared-memory row ring (ADAPTIVELOAD_FWD_STAGES = 0, auto, 2, 4, 8)
+#              at N = 65536, bf16, per-sample, B = 1 / 2, D = 1536 / 3072 / 5120, on GPU 0 -> $OUT/ring.log
 #   ncu        Nsight Compute on GPU 0: speed-of-light, occupancy, launch, warp-state and memory
 #              sections of the forward, one-pass backward and reduce kernels at N = 65536, bf16,
 #              D = 1536 / 3072 / 5120, per-sample fp32 modulation (clocks left alone) -> $OUT/ncu.txt
@@ -87,6 +89,32 @@ for (B, N, D, pt) in [(1, 65536, 1536, False), (1, 65536, 3072, False), (1, 6553
               f"bwd {g1:.3f} ({100 * solb / g1:.0f}%) two-kernel {g2:.3f} ({100 * solb / g2:.0f}%)", flush=True)
 PY
   echo "sweep: exit $?"; cat "$OUT/sweep.log"
+fi
+if want ring; then
+  python3 - >"$OUT/ring.log" 2>&1 <<'PY'
+import os, torch, triton.testing as tt
+import adaptiveload  # noqa: F401
+os.environ["ADAPTIVELOAD_REQUIRE_KERNEL"] = "1"
+op = torch.ops.adaptiveload.adaln_modulate
+a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
+bw = 2 * (1 << 30) / (tt.do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median") * 1e-3)
+del a, b
+print(f"copy {bw / 1e12:.2f} TB/s")
+for B in (1, 2):
+    for D in (1536, 3072, 5120):
+        x = torch.randn(B, 65536, D, device="cuda", dtype=torch.bfloat16)
+        s, h = (0.1 * torch.randn(B, 2 * D, device="cuda")).chunk(2, -1)
+        s, h = s.unsqueeze(1), h.unsqueeze(1)
+        sol = 2 * x.numel() * 2 / bw * 1e3
+        cells = []
+        for stages in ("0", "auto", "2", "4", "8"):
+            os.environ["ADAPTIVELOAD_FWD_STAGES"] = stages
+            ms = tt.do_bench(lambda: op(x, None, None, s, h, 1e-6, torch.bfloat16), warmup=25, rep=100,
+                             return_mode="median")
+            cells.append(f"{stages}: {ms:.3f} ms ({100 * sol / ms:.0f}%)")
+        print(f"B={B} D={D}: " + "; ".join(cells), flush=True)
+PY
+  echo "ring: exit $?"; cat "$OUT/ring.log"
 fi
 if want ncu; then
   cat >/tmp/ncu_cases.py <<'PY'

@@ -100,7 +100,7 @@ void check_mod_dtype(const Tensor& m, const Tensor& x, const char* name) {
 
 std::vector<Tensor> forward(const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
                             const Tensor& scale, const optional<Tensor>& shift, double eps, bool out_fp32,
-                            int64_t max_threads) {
+                            int64_t max_threads, int64_t stages) {
   check_x(x, "x");
   const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
   FwdArgs a;
@@ -130,6 +130,7 @@ std::vector<Tensor> forward(const Tensor& x, const optional<Tensor>& weight, con
   a.D = static_cast<int>(D);
   a.eps = static_cast<float>(eps);
   a.max_threads = static_cast<int>(max_threads);
+  a.stages = static_cast<int>(stages);
   const int64_t vec = a.xt == DType::F32 ? 4 : 8;
   a.aligned = D % vec == 0 && aligned16(a.x) && aligned16(a.y) && (!a.weight || aligned16(a.weight)) &&
               (!a.bias || aligned16(a.bias)) && mod_aligned(a.scale, scale.element_size()) &&
@@ -223,9 +224,10 @@ std::vector<Tensor> backward(const Tensor& dy, const Tensor& x, const optional<T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused LayerNorm -> adaptive modulation CUDA kernels (adaptiveload)";
-  m.def("forward", &adaln::forward, "y, mean, rstd = forward(x[B,N,D], weight?, bias?, scale, shift?, eps, out_fp32)",
+  m.def("forward", &adaln::forward,
+        "y, mean, rstd = forward(x[B,N,D], weight?, bias?, scale, shift?, eps, out_fp32, max_threads, stages)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"), py::arg("eps"),
-        py::arg("out_fp32"), py::arg("max_threads") = adaln::kMaxThreads);
+        py::arg("out_fp32"), py::arg("max_threads") = adaln::kMaxThreads, py::arg("stages") = 0);
   m.def("backward", &adaln::backward,
         "dx, dscale, dshift, dweight, dbias = backward(dy, x, weight?, bias?, scale, shift?, mean, rstd, two_kernel)",
         py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"),

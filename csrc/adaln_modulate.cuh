@@ -29,6 +29,8 @@ enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 constexpr int kMaxChunks = 8;
 constexpr int kMaxThreads = 512;
 constexpr int kMaxFeatures = 16384;
+// The forward's shared-memory row ring (sm_90 bulk copies) holds at most kMaxStages rows.
+constexpr int kMaxStages = 8;
 
 struct ModView {
   const void* ptr = nullptr;  // nullptr: absent (shift only)
@@ -50,6 +52,9 @@ struct FwdArgs {
   DType xt = DType::F32, mt = DType::F32, ot = DType::F32;
   bool aligned = false;  // every row start and modulation row is 16-byte aligned and D % VEC == 0
   int max_threads = kMaxThreads;  // threads-per-block cap (tuning knob; fewer threads, more chunks)
+  // Rows of the forward's shared-memory ring: 0 = register prefetch (one row ahead), -1 = chosen by
+  // the launcher, 2..kMaxStages = that many (the launcher falls back to 0 where the ring cannot run).
+  int stages = 0;
 };
 
 struct BwdArgs {
@@ -215,6 +220,59 @@ __device__ __forceinline__ void store_f(T* __restrict__ p, int col, int D, bool 
     for (int j = 0; j < VEC; ++j)
       if (col + j < D) p[col + j] = r.v[j];
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hopper bulk copies (sm_90+): one thread has the copy engine move a whole row from global to
+// shared memory (cp.async.bulk), its completion counted in bytes on an mbarrier that every thread
+// then waits on. Sizes must be multiples of 16 and both addresses 16-byte aligned (the aligned
+// path). Below sm_90 they compile to a trap; the launcher never picks them there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define ADALN_BULK 1
+#endif
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// One thread: an mbarrier per ring slot expecting one arrival, made visible to the async proxy.
+__device__ __forceinline__ void mbar_init(uint64_t* bars, int count) {
+#ifdef ADALN_BULK
+  for (int i = 0; i < count; ++i)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bars + i)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// One thread: expect `bytes` on `bar` and start copying them from `src` (global) to `dst` (shared).
+// The proxy fence orders the block's earlier reads of `dst` before the copy engine overwrites it.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+#ifdef ADALN_BULK
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+#else
+  __trap();
+#endif
+}
+
+// Every thread: wait until the phase of `bar` with this parity has completed (its bytes landed).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#ifdef ADALN_BULK
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+#endif
+}
+
+// Bytes between ring slots: a row rounded up to 128 bytes.
+__host__ __device__ inline size_t ring_stride(int D, int elem_bytes) {
+  return (static_cast<size_t>(D) * elem_bytes + 127) / 128 * 128;
 }
 
 // Sum NV values over the whole block; every thread gets the totals. Deterministic: a fixed

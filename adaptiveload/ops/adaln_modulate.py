@@ -214,6 +214,15 @@ def _max_threads() -> int:
     return int(os.environ.get("ADAPTIVELOAD_MAX_THREADS", "512"))
 
 
+def _forward_stages() -> int:
+    """``ADAPTIVELOAD_FWD_STAGES``: rows of the forward's shared-memory ring on sm_90 ("auto": the
+    launcher's choice; 2-8: that many; "0", the default: the register-prefetch forward). The kernels
+    fall back to the register forward where the ring cannot run (per-token modulation, unaligned
+    rows, GPUs before sm_90)."""
+    value = os.environ.get("ADAPTIVELOAD_FWD_STAGES", "0").strip().lower()
+    return -1 if value == "auto" else int(value)
+
+
 def _two_kernel_backward() -> bool:
     """``ADAPTIVELOAD_BWD=two_kernel`` selects the reference design of the backward (a dx kernel and a
     column kernel re-reading x and dy) instead of the one-pass kernel; for benchmarks."""
@@ -287,6 +296,7 @@ def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
         float(eps),
         out_dtype != x.dtype,
         _max_threads(),
+        _forward_stages(),
     )
     if out_dtype not in (x.dtype, torch.float32):
         y = y.to(out_dtype)

@@ -354,6 +354,38 @@ def test_kernels_wide_rows_in_any_order(kernels):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("stages", ["auto", "2", "3", "8"])
+def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatch, stages):
+    """The shared-memory row ring (sm_90 bulk copies) runs the same arithmetic as the register
+    forward: identical y, mean and rstd, for rows that fill the ring or not (N < stages), tiles of
+    uneven length, every x dtype, fp32 or x-dtype modulation, affine or not, strided chunks; layouts
+    the ring does not take (per-token) fall back to the register forward."""
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    cases = [(1, 1, 1536, torch.bfloat16), (3, 7, 3072, torch.bfloat16), (2, 4099, 5120, torch.bfloat16),
+             (1, 65536, 1536, torch.bfloat16), (2, 333, 8, torch.float16), (1, 1000, 16384, torch.bfloat16),
+             (2, 129, 1000, torch.float32), (1, 77, 4096, torch.float32)]
+    for i, (B, N, D, dtype) in enumerate(cases):
+        mod_dtype = torch.float32 if i % 2 else dtype
+        x = torch.randn(B, N, D, device="cuda", generator=gen).to(dtype)
+        scale, shift, _ = (0.2 * torch.randn(B, 3 * D, device="cuda", generator=gen)).to(mod_dtype).chunk(3, -1)
+        affine = i % 3 != 1
+        w = torch.randn(D, device="cuda", generator=gen).to(dtype) if affine else None
+        b = torch.randn(D, device="cuda", generator=gen).to(dtype) if affine else None
+        per_token = i == 4
+        mods = ((scale.unsqueeze(1).expand(B, N, D).contiguous(), shift.unsqueeze(1)) if per_token
+                else (scale.unsqueeze(1), shift.unsqueeze(1)))
+        outputs = {}
+        for setting in ("0", stages):
+            monkeypatch.setenv("ADAPTIVELOAD_FWD_STAGES", setting)
+            outputs[setting] = torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype)
+        for name, ref, got in zip(("y", "mean", "rstd"), outputs["0"], outputs[stages]):
+            assert torch.equal(ref, got), f"{name} differs at B={B} N={N} D={D} {dtype} stages={stages}"
+    # and the ring itself against float64 (the environment still selects it)
+    check_against_float64((2, 4099, 5120), torch.bfloat16, "strided-per-sample", "per-sample", True, "cuda", 5,
+                          mod_fp32=True)
+
+
+@pytest.mark.cuda
 def test_kernels_wan_dtype_pattern_bf16_x_fp32_modulation(kernels):
     check_against_float64((2, 4096, 1536), torch.bfloat16, "strided-per-sample", "strided-per-sample", False,
                           "cuda", 8, mod_fp32=True)
