@@ -7,8 +7,9 @@
 #   sanitize   benchmarks/sanitize.sh on GPU 1 after the tests
 #   sweep      op-only timings over thread caps (ADAPTIVELOAD_MAX_THREADS) on GPU 0
 #   bench-quick / bench   benchmarks/bench_adaln.py on GPU 0 (a subset / the full grid)
-#   ring       forward timings of the shared-memory row ring (ADAPTIVELOAD_FWD_STAGES = 0, auto, 2, 4, 8)
-#              at N = 65536, bf16, per-sample, B = 1 / 2, D = 1536 / 3072 / 5120, on GPU 0 -> $OUT/ring.log
+#   ring       forward and backward timings of the shared-memory row rings (ADAPTIVELOAD_FWD_STAGES /
+#              ADAPTIVELOAD_BWD_STAGES = 0, auto, 2, 4, 8) at N = 65536, bf16, per-sample, B = 1 / 2,
+#              D = 1536 / 3072 / 5120, on GPU 0 -> $OUT/ring.log
 #   ncu        Nsight Compute on GPU 0: speed-of-light, occupancy, launch, warp-state and memory
 #              sections of the forward, one-pass backward and reduce kernels at N = 65536, bf16,
 #              D = 1536 / 3072 / 5120, per-sample fp32 modulation (clocks left alone) -> $OUT/ncu.txt
@@ -95,7 +96,7 @@ if want ring; then
 import os, torch, triton.testing as tt
 import adaptiveload  # noqa: F401
 os.environ["ADAPTIVELOAD_REQUIRE_KERNEL"] = "1"
-op = torch.ops.adaptiveload.adaln_modulate
+op, bwd = torch.ops.adaptiveload.adaln_modulate, torch.ops.adaptiveload.adaln_modulate_backward
 a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
 bw = 2 * (1 << 30) / (tt.do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median") * 1e-3)
 del a, b
@@ -105,14 +106,19 @@ for B in (1, 2):
         x = torch.randn(B, 65536, D, device="cuda", dtype=torch.bfloat16)
         s, h = (0.1 * torch.randn(B, 2 * D, device="cuda")).chunk(2, -1)
         s, h = s.unsqueeze(1), h.unsqueeze(1)
-        sol = 2 * x.numel() * 2 / bw * 1e3
-        cells = []
-        for stages in ("0", "auto", "2", "4", "8"):
-            os.environ["ADAPTIVELOAD_FWD_STAGES"] = stages
-            ms = tt.do_bench(lambda: op(x, None, None, s, h, 1e-6, torch.bfloat16), warmup=25, rep=100,
-                             return_mode="median")
-            cells.append(f"{stages}: {ms:.3f} ms ({100 * sol / ms:.0f}%)")
-        print(f"B={B} D={D}: " + "; ".join(cells), flush=True)
+        dy = torch.randn_like(x)
+        y, mean, rstd = op(x, None, None, s, h, 1e-6, torch.bfloat16)
+        for name, var, k, fn in (
+                ("fwd", "ADAPTIVELOAD_FWD_STAGES", 2, lambda: op(x, None, None, s, h, 1e-6, torch.bfloat16)),
+                ("bwd", "ADAPTIVELOAD_BWD_STAGES", 3, lambda: bwd(dy, x, None, None, s, h, mean, rstd))):
+            sol = k * x.numel() * 2 / bw * 1e3
+            cells = []
+            for stages in ("0", "auto", "2", "4", "8"):
+                os.environ[var] = stages
+                ms = tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                cells.append(f"{stages}: {ms:.3f} ms ({100 * sol / ms:.0f}%)")
+            os.environ[var] = "0"
+            print(f"B={B} D={D} {name}: " + "; ".join(cells), flush=True)
 PY
   echo "ring: exit $?"; cat "$OUT/ring.log"
 fi

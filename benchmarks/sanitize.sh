@@ -32,7 +32,8 @@ cases = [  # (B, N, D, x dtype, modulation dtype, layout, affine)
 for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
     design = ("one_pass", "two_kernel")[i % 2]
     os.environ["ADAPTIVELOAD_BWD"] = design
-    os.environ["ADAPTIVELOAD_FWD_STAGES"] = ("auto", "0", "2")[i % 3]  # the shared-memory ring, or not
+    os.environ["ADAPTIVELOAD_FWD_STAGES"] = ("auto", "0", "2")[i % 3]  # the shared-memory rings, or not
+    os.environ["ADAPTIVELOAD_BWD_STAGES"] = ("0", "auto", "3")[i % 3]
     x = torch.randn(B, N, D, device="cuda", generator=g).to(xdt)
     if layout == "strided":
         scale, shift = (t.unsqueeze(1) for t in torch.randn(B, 3 * D, device="cuda", generator=g).to(mdt).chunk(3, -1)[:2])
@@ -47,7 +48,8 @@ for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
     y, mean, rstd = op(x, w, b, scale, shift, 1e-6, xdt)
     grads = bwd(torch.randn_like(y), x, w, b, scale, shift, mean, rstd)
     torch.cuda.synchronize()
-    print("ok", B, N, D, xdt, mdt, layout, affine, design, os.environ["ADAPTIVELOAD_FWD_STAGES"], flush=True)
+    print("ok", B, N, D, xdt, mdt, layout, affine, design, os.environ["ADAPTIVELOAD_FWD_STAGES"],
+          os.environ["ADAPTIVELOAD_BWD_STAGES"], flush=True)
 PY
 status=0
 for tool in memcheck racecheck; do

@@ -18,6 +18,10 @@
 //   P0 = sum dy * (1 + s) * x_hat,  P1 = sum dy * (1 + s),  P2 = sum dy  (for a per-sample shift).
 // No atomics: every sum has a fixed order, so two runs give bit-identical gradients.
 //
+// RING (sm_90; per-sample or shared scale; aligned rows): the x and dy rows come through a ring of
+// a.stages slots in shared memory filled by bulk copies a.stages rows ahead (as the forward's RING),
+// instead of the one-row register prefetch; a slot is refilled after the row's block reduction.
+//
 // Two kernels (the reference design, ADAPTIVELOAD_BWD=two_kernel): the row kernel computes dx only,
 // and a column kernel over (d_tile, row tile, sample) re-reads x and dy for the partials: 5 x-sized
 // tensors move instead of 3.
@@ -27,11 +31,13 @@
 
 namespace adaln {
 
-template <typename Tx, typename Tm, typename Tdy, int C, bool SPT>
+template <typename Tx, typename Tm, typename Tdy, int C, bool SPT, bool RING>
 __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
+  static_assert(!(SPT && RING), "the ring takes per-sample or shared scale only");
   const int64_t rows_per_tile = a.rows_per_tile;
   constexpr int VEC = 16 / sizeof(Tx);
   __shared__ float red[2 * 2 * 32];
+  __shared__ __align__(8) uint64_t full[RING ? kMaxStages : 1];
   int parity = 0;
   const int64_t tiles = a.tiles;
   const int64_t b = blockIdx.x / tiles, tile = blockIdx.x % tiles;
@@ -51,6 +57,24 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   // in shared memory; the column partial sums stay in registers
   extern __shared__ float4 coef_smem[];
   const CoefRow<VEC> coef{coef_smem}, bias_row{coef_smem + C * (VEC / 4) * blockDim.x};  // bias: SPT only
+  // the ring (RING): slot = [x row | dy row], each rounded up to 128 bytes
+  const int S = a.stages;
+  const size_t x_bytes = ring_stride(D, sizeof(Tx)), stride = x_bytes + ring_stride(D, sizeof(Tdy));
+  char* ring = reinterpret_cast<char*>(coef_smem + (SPT ? 2 : 1) * C * (VEC / 4) * T);
+  auto fetch = [&](int slot, int64_t n) {  // thread 0: x and dy of row n into a ring slot
+    const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
+    async_proxy_fence();
+    mbar_expect(&full[slot], static_cast<uint32_t>(D * (sizeof(Tx) + sizeof(Tdy))));
+    bulk_copy(ring + slot * stride, x + off, static_cast<uint32_t>(D * sizeof(Tx)), &full[slot]);
+    bulk_copy(ring + slot * stride + x_bytes, dy + off, static_cast<uint32_t>(D * sizeof(Tdy)), &full[slot]);
+  };
+  if constexpr (RING) {
+    if (tid == 0) mbar_init(full, S);
+    __syncthreads();
+    if (tid == 0) {
+      for (int i = 0; i < S && n0 + i < n1; ++i) fetch(i, n0 + i);
+    }
+  }
   float p0[C][VEC], p1[C][VEC], p2[C][VEC];
 #pragma unroll
   for (int c = 0; c < C; ++c) {
@@ -79,7 +103,10 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   Raw<Tdy, VEC> ndy[C];
   Raw<Tm, VEC> ns[C];
   float nmean = 0.f, nrstd = 0.f;
-  auto load_row = [&](int64_t n) {
+  auto load_row = [&](int64_t n) {  // the row's statistics, and (without the ring) the row itself
+    nmean = a.mean[b * a.N + n];
+    nrstd = a.rstd[b * a.N + n];
+    if constexpr (RING) return;
     const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
 #pragma unroll
     for (int c = 0; c < C; ++c) {
@@ -97,8 +124,6 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
         }
       }
     }
-    nmean = a.mean[b * a.N + n];
-    nrstd = a.rstd[b * a.N + n];
   };
   load_row(n0);
 
@@ -109,11 +134,29 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
     Raw<Tx, VEC> cx[C];
     Raw<Tdy, VEC> cdy[C];
     Raw<Tm, VEC> cs[C];
+    const int slot = RING ? static_cast<int>((n - n0) % S) : 0;
+    if constexpr (RING) {
+      mbar_wait(&full[slot], static_cast<uint32_t>(((n - n0) / S) & 1));
+      const Tx* xrow = reinterpret_cast<const Tx*>(ring + slot * stride);
+      const Tdy* dyrow = reinterpret_cast<const Tdy*>(ring + slot * stride + x_bytes);
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-      cx[c] = nx[c];
-      cdy[c] = ndy[c];
-      if (SPT) cs[c] = ns[c];
+      for (int c = 0; c < C; ++c) {
+        const int col = (c * T + tid) * VEC;
+        if (col < D) {
+          cx[c] = load_raw<Tx, VEC>(xrow, col, D, true);
+          cdy[c] = load_raw<Tdy, VEC>(dyrow, col, D, true);
+        } else {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) cx[c].v[j] = from_f<Tx>(0.f), cdy[c].v[j] = from_f<Tdy>(0.f);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        cx[c] = nx[c];
+        cdy[c] = ndy[c];
+        if (SPT) cs[c] = ns[c];
+      }
     }
     if (n + 1 < n1) load_row(n + 1);  // in flight while this row is reduced
 
@@ -156,6 +199,9 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
       }
     }
     block_sum<2>(sums, red, parity);
+    if constexpr (RING) {  // every thread holds the row in registers: refill the slot
+      if (tid == 0 && n + S < n1) fetch(slot, n + S);
+    }
     const float mg = sums[0] * inv_d, mgx = sums[1] * inv_d;
 
 #pragma unroll
@@ -289,12 +335,28 @@ __global__ void __launch_bounds__(512) bwd_reduce_kernel(const BwdArgs a) {
 
 template <typename Tx, typename Tm, typename Tdy, int C, bool SPT>
 struct BwdKernels {
-  static size_t smem(const BwdArgs& a, int threads) { return coef_smem_bytes(SPT ? 2 : 1, C, threads, a.xt); }
+  static size_t coef(const BwdArgs& a, int threads) { return coef_smem_bytes(SPT ? 2 : 1, C, threads, a.xt); }
+  static size_t slot(const BwdArgs& a) { return ring_stride(a.D, sizeof(Tx)) + ring_stride(a.D, sizeof(Tdy)); }
+  static size_t smem(const BwdArgs& a, int threads) { return coef(a, threads) + a.stages * slot(a); }
+  // The ring for per-sample/shared scale up to 2 chunks a thread (ptxas sm_90: no spills; at 4 the
+  // ring variant fell to 32 registers and 2.4 KB of spills).
+  static constexpr bool kRing = !SPT && C <= 2;
+  template <typename F>
+  static void with_kernel(const BwdArgs& a, const F& f) {  // the ring's row kernel, or the register one
+    if constexpr (kRing) {
+      if (a.stages > 0) return f(bwd_row_kernel<Tx, Tm, Tdy, C, false, true>);
+    }
+    f(bwd_row_kernel<Tx, Tm, Tdy, C, SPT, false>);
+  }
+  // Sets a.stages (the ring's slots, or 0), a.tiles and a.rows_per_tile.
   static void plan(BwdArgs& a, int threads) {
-    one_wave(bwd_row_kernel<Tx, Tm, Tdy, C, SPT>, threads, smem(a, threads), a.B, a.N, a.tiles, a.rows_per_tile);
+    a.stages = ring_stages(a.stages, kRing && a.aligned, coef(a, threads), slot(a));
+    with_kernel(a, [&](auto kernel) { one_wave(kernel, threads, smem(a, threads), a.B, a.N, a.tiles, a.rows_per_tile); });
   }
   static void launch(const BwdArgs& a, int threads, cudaStream_t stream) {
-    bwd_row_kernel<Tx, Tm, Tdy, C, SPT><<<static_cast<unsigned>(a.B * a.tiles), threads, smem(a, threads), stream>>>(a);
+    with_kernel(a, [&](auto kernel) {
+      kernel<<<static_cast<unsigned>(a.B * a.tiles), threads, smem(a, threads), stream>>>(a);
+    });
     if (a.two_kernel) {
       dim3 grid((a.D + 31) / 32, static_cast<unsigned>(a.tiles), static_cast<unsigned>(a.B));
       bwd_col_kernel<Tx, Tm, Tdy, SPT><<<grid, dim3(32, 8), 0, stream>>>(a);

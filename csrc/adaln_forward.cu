@@ -10,14 +10,25 @@
 // row is reduced. Statistics are two-pass in fp32 (mean, then the mean of squared deviations of
 // the values already in registers): no cancellation, no second read of x. (A one-barrier variant
 // merging per-thread statistics with Chan's update measured 1.5-2x slower: KERNEL_NOTES.md, v3.)
+//
+// RING (sm_90; per-sample or shared modulation; aligned rows): rows come through a ring of
+// a.stages row buffers in shared memory instead of the register prefetch, filled by bulk copies
+// that thread 0 issues a.stages rows ahead; the copy engine keeps a.stages - 1 rows per block in
+// flight without registers (Little's law asks for ~26 KB per SM: KERNEL_NOTES.md, v6). A slot is
+// refilled right after the first block reduction of its row, when every thread holds the row in
+// registers. Same arithmetic and rounding either way.
+#include <type_traits>
+
 #include "adaln_modulate.cuh"
 
 namespace adaln {
 
-template <typename Tx, typename Tm, typename To, int C, bool PT>
+template <typename Tx, typename Tm, typename To, int C, bool PT, bool RING>
 __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64_t tiles, int64_t rows_per_tile) {
+  static_assert(!(PT && RING), "the ring takes per-sample or shared modulation only");
   constexpr int VEC = 16 / sizeof(Tx);
   __shared__ float red[2 * 1 * 32];
+  __shared__ __align__(8) uint64_t full[RING ? kMaxStages : 1];
   int parity = 0;
   const int64_t b = blockIdx.x / tiles;
   const int64_t n0 = (blockIdx.x % tiles) * rows_per_tile;
@@ -36,8 +47,24 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
 
   extern __shared__ float4 coef_smem[];
   const CoefRow<VEC> alpha{coef_smem}, beta{coef_smem + C * (VEC / 4) * T};
+  const int S = a.stages;
+  const uint32_t row_bytes = static_cast<uint32_t>(D) * sizeof(Tx);
+  const size_t stride = ring_stride(D, sizeof(Tx));
+  char* ring = reinterpret_cast<char*>(coef_smem + 2 * C * (VEC / 4) * T);
+  auto fetch = [&](int slot, int64_t n) {  // thread 0: row n into a ring slot
+    async_proxy_fence();
+    mbar_expect(&full[slot], row_bytes);
+    bulk_copy(ring + slot * stride, x + (b * a.N + n) * static_cast<int64_t>(D), row_bytes, &full[slot]);
+  };
+  if constexpr (RING) {
+    if (tid == 0) mbar_init(full, S);
+    __syncthreads();
+    if (tid == 0) {
+      for (int i = 0; i < S && n0 + i < n1; ++i) fetch(i, n0 + i);
+    }
+  }
 #pragma unroll
-  for (int c = 0; c < C; ++c) {
+  for (int c = 0; c < C; ++c) {  // (with the ring: while the first rows land)
     const int col = (c * T + tid) * VEC;
     float w[VEC], bb[VEC], s[VEC], h[VEC];
 #pragma unroll
@@ -72,15 +99,34 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
       }
     }
   };
-  load_row(n0, nx);
+  if constexpr (!RING) load_row(n0, nx);
 
   for (int64_t n = n0; n < n1; ++n) {
     float xv[C][VEC];
+    const int slot = RING ? static_cast<int>((n - n0) % S) : 0;
+    if constexpr (RING) {
+      mbar_wait(&full[slot], static_cast<uint32_t>(((n - n0) / S) & 1));
+      const Tx* row = reinterpret_cast<const Tx*>(ring + slot * stride);
 #pragma unroll
-    for (int c = 0; c < C; ++c)
+      for (int c = 0; c < C; ++c) {
+        const int col = (c * T + tid) * VEC;
+        Raw<Tx, VEC> r;
+        if (col < D) {
+          r = load_raw<Tx, VEC>(row, col, D, true);
+        } else {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) xv[c][j] = to_f<Tx>(nx[c].v[j]);
-    if (n + 1 < n1) load_row(n + 1, nx);  // in flight while this row is reduced
+          for (int j = 0; j < VEC; ++j) r.v[j] = from_f<Tx>(0.f);
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) xv[c][j] = to_f<Tx>(r.v[j]);
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < C; ++c)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) xv[c][j] = to_f<Tx>(nx[c].v[j]);
+      if (n + 1 < n1) load_row(n + 1, nx);  // in flight while this row is reduced
+    }
 
     Raw<Tm, VEC> sr[C], hr[C];
     if constexpr (PT) {  // issued before the reductions so their latency overlaps them
@@ -100,6 +146,9 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
 #pragma unroll
       for (int j = 0; j < VEC; ++j) sum[0] += xv[c][j];  // out-of-range elements are zero
     block_sum<1>(sum, red, parity);
+    if constexpr (RING) {  // every thread has read the slot: refill it
+      if (tid == 0 && n + S < n1) fetch(slot, n + S);
+    }
     const float mean = sum[0] * inv_d;
 
     float sq[1] = {0.f};
@@ -145,121 +194,6 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   }
 }
 
-// The forward with a shared-memory row ring (sm_90; per-sample or shared modulation; aligned rows).
-// Each block keeps a ring of S = a.stages row buffers filled by bulk copies that thread 0 issues
-// S rows ahead, so S - 1 rows per block are in flight without holding registers: v4's register
-// prefetch holds one, and Little's law asks for ~26 KB per SM (KERNEL_NOTES.md). A slot is refilled
-// right after the first block reduction of its row, when every thread has copied the row into
-// registers. Same coefficients, statistics and rounding as fwd_kernel.
-template <typename Tx, typename Tm, typename To, int C>
-__global__ void __launch_bounds__(kMaxThreads) fwd_ring_kernel(const FwdArgs a, int64_t tiles, int64_t rows_per_tile) {
-  constexpr int VEC = 16 / sizeof(Tx);
-  __shared__ float red[2 * 1 * 32];
-  __shared__ __align__(8) uint64_t full[kMaxStages];
-  int parity = 0;
-  const int64_t b = blockIdx.x / tiles;
-  const int64_t n0 = (blockIdx.x % tiles) * rows_per_tile;
-  const int64_t n1 = min(a.N, n0 + rows_per_tile);
-  if (n0 >= n1) return;  // whole block: no barrier is skipped by part of it
-  const int D = a.D, T = blockDim.x, tid = threadIdx.x, S = a.stages;
-  const uint32_t row_bytes = static_cast<uint32_t>(D) * sizeof(Tx);
-  const size_t stride = ring_stride(D, sizeof(Tx));
-  const Tx* __restrict__ x = static_cast<const Tx*>(a.x) + b * a.N * static_cast<int64_t>(D);
-  To* __restrict__ y = static_cast<To*>(a.y);
-  const Tm* __restrict__ sc = static_cast<const Tm*>(a.scale.ptr) + b * a.scale.sb;
-  const Tm* __restrict__ sh = a.shift.ptr ? static_cast<const Tm*>(a.shift.ptr) + b * a.shift.sb : nullptr;
-
-  extern __shared__ float4 coef_smem[];
-  const CoefRow<VEC> alpha{coef_smem}, beta{coef_smem + C * (VEC / 4) * T};
-  char* ring = reinterpret_cast<char*>(coef_smem + 2 * C * (VEC / 4) * T);
-  if (tid == 0) mbar_init(full, S);
-  __syncthreads();
-  if (tid == 0) {
-    for (int i = 0; i < S && n0 + i < n1; ++i)
-      bulk_load(ring + i * stride, x + (n0 + i) * static_cast<int64_t>(D), row_bytes, &full[i]);
-  }
-#pragma unroll
-  for (int c = 0; c < C; ++c) {  // while the first rows land
-    const int col = (c * T + tid) * VEC;
-    float w[VEC], bb[VEC], s[VEC], h[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) w[j] = 1.f, bb[j] = 0.f, s[j] = 0.f, h[j] = 0.f;
-    if (col < D) {
-      if (a.weight) load_f<float, VEC>(a.weight, col, D, true, w);
-      if (a.bias) load_f<float, VEC>(a.bias, col, D, true, bb);
-      load_f<Tm, VEC>(sc, col, D, true, s);
-      if (sh) load_f<Tm, VEC>(sh, col, D, true, h);
-    }
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      w[j] = w[j] * (1.f + s[j]);
-      bb[j] = bb[j] * (1.f + s[j]) + h[j];
-    }
-    alpha.store(c, w);
-    beta.store(c, bb);
-  }
-
-  const float inv_d = 1.f / static_cast<float>(D);
-  for (int64_t n = n0; n < n1; ++n) {
-    const int64_t it = n - n0;
-    const int slot = static_cast<int>(it % S);
-    mbar_wait(&full[slot], static_cast<uint32_t>((it / S) & 1));
-    const Tx* row = reinterpret_cast<const Tx*>(ring + slot * stride);
-    float xv[C][VEC];
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int col = (c * T + tid) * VEC;
-      if (col < D) {
-        const Raw<Tx, VEC> r = load_raw<Tx, VEC>(row, col, D, true);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) xv[c][j] = to_f<Tx>(r.v[j]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) xv[c][j] = 0.f;
-      }
-    }
-
-    float sum[1] = {0.f};
-#pragma unroll
-    for (int c = 0; c < C; ++c)
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) sum[0] += xv[c][j];
-    block_sum<1>(sum, red, parity);  // every thread has read the slot: refill it
-    if (tid == 0 && n + S < n1) bulk_load(ring + slot * stride, x + (n + S) * static_cast<int64_t>(D), row_bytes, &full[slot]);
-    const float mean = sum[0] * inv_d;
-
-    float sq[1] = {0.f};
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int col = (c * T + tid) * VEC;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float dlt = (col + j < D) ? xv[c][j] - mean : 0.f;
-        sq[0] += dlt * dlt;
-      }
-    }
-    block_sum<1>(sq, red, parity);
-    const float rstd = rsqrtf(sq[0] * inv_d + a.eps);
-
-    To* yrow = y + (b * a.N + n) * static_cast<int64_t>(D);
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int col = (c * T + tid) * VEC;
-      if (col >= D) continue;
-      float out[VEC], av[VEC], bv[VEC];
-      alpha.load(c, av);
-      beta.load(c, bv);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) out[j] = (xv[c][j] - mean) * rstd * av[j] + bv[j];
-      store_f<To, VEC>(yrow, col, D, true, out);
-    }
-    if (tid == 0) {
-      a.mean[b * a.N + n] = mean;
-      a.rstd[b * a.N + n] = rstd;
-    }
-  }
-}
-
 RowShape row_shape(int D, DType xt, int max_threads) {
   const int vec = xt == DType::F32 ? 4 : 8;
   const int groups = (D + vec - 1) / vec;
@@ -285,21 +219,17 @@ int num_sms() {
   return cached[dev];
 }
 
-// Ring slots for a.stages (see FwdArgs::stages), or 0 where the ring cannot run:
-// per-token modulation, unaligned rows, a GPU before sm_90, or too little shared memory for two
-// slots. Automatic: slots for ~48 KB of rows, 2 to kMaxStages.
-static int ring_stages(const FwdArgs& a, bool per_token, size_t coef_bytes) {
-  if (a.stages == 0 || per_token || !a.aligned) return 0;
+int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_bytes) {
+  if (requested == 0 || !eligible) return 0;
   int dev = 0, major = 0, optin = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (major < 9) return 0;
-  const size_t stride = ring_stride(a.D, a.xt == DType::F32 ? 4 : 2);
-  const size_t room = static_cast<size_t>(optin) - 1024;  // static shared memory: reduction + barriers
-  int stages = a.stages > 0 ? a.stages : static_cast<int>((48 * 1024) / stride);
+  const size_t room = static_cast<size_t>(optin) - 1024;  // static shared memory: reductions, barriers
+  int stages = requested > 0 ? requested : static_cast<int>((64 * 1024) / slot_bytes);
   stages = stages < 2 ? 2 : (stages > kMaxStages ? kMaxStages : stages);
-  while (stages >= 2 && coef_bytes + stages * stride > room) --stages;
+  while (stages >= 2 && fixed_bytes + stages * slot_bytes > room) --stages;
   return stages >= 2 ? stages : 0;
 }
 
@@ -309,27 +239,26 @@ void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
   const RowShape rs = row_shape(a.D, a.xt, a.max_threads);
   const bool pt = a.scale.sn != 0 || (a.shift.ptr && a.shift.sn != 0);
   const size_t coef = coef_smem_bytes(2, rs.chunks, rs.threads, a.xt);
-  a.stages = ring_stages(a, pt, coef);
+  a.stages = ring_stages(a.stages, !pt && a.aligned && rs.chunks <= 4, coef, ring_stride(a.D, sizeof(Tx)));
   const size_t smem = coef + a.stages * ring_stride(a.D, sizeof(Tx));
   auto go = [&](auto kernel) {
     int64_t tiles, rpt;
     one_wave(kernel, rs.threads, smem, a.B, a.N, tiles, rpt);
     kernel<<<static_cast<unsigned>(a.B * tiles), rs.threads, smem, stream>>>(a, tiles, rpt);
   };
-  if (a.stages > 0) {
-    switch (rs.chunks) {
-      case 1: go(fwd_ring_kernel<Tx, Tm, To, 1>); break;
-      case 2: go(fwd_ring_kernel<Tx, Tm, To, 2>); break;
-      case 4: go(fwd_ring_kernel<Tx, Tm, To, 4>); break;
-      default: go(fwd_ring_kernel<Tx, Tm, To, 8>); break;
+  auto pick = [&](auto chunks) {  // per-token, ring (up to 4 chunks a thread: no spills), or register prefetch
+    constexpr int kC = decltype(chunks)::value;
+    if (pt) return go(fwd_kernel<Tx, Tm, To, kC, true, false>);
+    if constexpr (kC <= 4) {
+      if (a.stages > 0) return go(fwd_kernel<Tx, Tm, To, kC, false, true>);
     }
-    return;
-  }
+    go(fwd_kernel<Tx, Tm, To, kC, false, false>);
+  };
   switch (rs.chunks) {
-    case 1: pt ? go(fwd_kernel<Tx, Tm, To, 1, true>) : go(fwd_kernel<Tx, Tm, To, 1, false>); break;
-    case 2: pt ? go(fwd_kernel<Tx, Tm, To, 2, true>) : go(fwd_kernel<Tx, Tm, To, 2, false>); break;
-    case 4: pt ? go(fwd_kernel<Tx, Tm, To, 4, true>) : go(fwd_kernel<Tx, Tm, To, 4, false>); break;
-    default: pt ? go(fwd_kernel<Tx, Tm, To, 8, true>) : go(fwd_kernel<Tx, Tm, To, 8, false>); break;
+    case 1: pick(std::integral_constant<int, 1>{}); break;
+    case 2: pick(std::integral_constant<int, 2>{}); break;
+    case 4: pick(std::integral_constant<int, 4>{}); break;
+    default: pick(std::integral_constant<int, 8>{}); break;
   }
 }
 

@@ -146,7 +146,8 @@ std::vector<Tensor> forward(const Tensor& x, const optional<Tensor>& weight, con
 //   dshift: likewise, or empty without shift; dweight, dbias: fp32 [D], or empty when absent.
 std::vector<Tensor> backward(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
                              const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                             const Tensor& mean, const Tensor& rstd, bool two_kernel, int64_t max_threads) {
+                             const Tensor& mean, const Tensor& rstd, bool two_kernel, int64_t max_threads,
+                             int64_t stages) {
   check_x(x, "x");
   check_x(dy, "dy");
   const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
@@ -187,6 +188,7 @@ std::vector<Tensor> backward(const Tensor& dy, const Tensor& x, const optional<T
   a.D = static_cast<int>(D);
   a.two_kernel = two_kernel;
   a.max_threads = static_cast<int>(max_threads);
+  a.stages = static_cast<int>(stages);
 
   auto f32 = x.options().dtype(at::kFloat);
   auto dx = at::empty_like(x);
@@ -206,14 +208,15 @@ std::vector<Tensor> backward(const Tensor& dy, const Tensor& x, const optional<T
   if (weight.has_value()) a.dweight = dweight.data_ptr<float>();
   if (bias.has_value()) a.dbias = dbias.data_ptr<float>();
 
-  backward_plan(a);
-  auto ws = at::empty({3, a.tiles, B, D}, f32);
-  a.ws = ws.data_ptr<float>();
   const int64_t vec = a.xt == DType::F32 ? 4 : 8;
-  a.aligned = D % vec == 0 && aligned16(a.x) && aligned16(a.dy) && aligned16(a.dx) && aligned16(a.ws) &&
+  a.aligned = D % vec == 0 && aligned16(a.x) && aligned16(a.dy) && aligned16(a.dx) &&
               (!a.weight || aligned16(a.weight)) && (!a.bias || aligned16(a.bias)) &&
               mod_aligned(a.scale, scale.element_size()) && mod_aligned(a.shift, scale.element_size()) &&
               (!a.dscale_el || aligned16(a.dscale_el)) && (!a.dshift_el || aligned16(a.dshift_el));
+  backward_plan(a);  // after the alignment: the ring (a.stages) needs aligned rows
+  auto ws = at::empty({3, a.tiles, B, D}, f32);
+  a.ws = ws.data_ptr<float>();
+  a.aligned = a.aligned && aligned16(a.ws);
   launch_backward(a, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {dx, dscale, dshift, dweight, dbias};
@@ -229,10 +232,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"), py::arg("eps"),
         py::arg("out_fp32"), py::arg("max_threads") = adaln::kMaxThreads, py::arg("stages") = 0);
   m.def("backward", &adaln::backward,
-        "dx, dscale, dshift, dweight, dbias = backward(dy, x, weight?, bias?, scale, shift?, mean, rstd, two_kernel)",
+        "dx, dscale, dshift, dweight, dbias = backward(dy, x, weight?, bias?, scale, shift?, mean, rstd, two_kernel, "
+        "max_threads, stages)",
         py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"),
         py::arg("mean"), py::arg("rstd"), py::arg("two_kernel") = false,
-        py::arg("max_threads") = adaln::kMaxThreads);
+        py::arg("max_threads") = adaln::kMaxThreads, py::arg("stages") = 0);
   m.def("max_features", [](const std::string& dtype) {
     return adaln::max_features(dtype == "float32" ? adaln::DType::F32 : adaln::DType::BF16);
   }, "largest D the kernels take for x of this dtype ('float32', 'bfloat16', 'float16')");

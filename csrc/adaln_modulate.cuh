@@ -84,6 +84,7 @@ struct BwdArgs {
   bool aligned = false;
   bool two_kernel = false;  // reference design: dx kernel + column kernel re-reading x and dy
   int max_threads = kMaxThreads;
+  int stages = 0;  // rows (x and dy) of the row kernel's shared-memory ring, as FwdArgs::stages
 };
 
 // Threads per block and 16-byte chunks per thread for a row of D elements of x's dtype.
@@ -92,6 +93,11 @@ struct RowShape {
   int chunks;
 };
 RowShape row_shape(int D, DType xt, int max_threads);
+// Ring slots for `requested` (FwdArgs::stages: -1 automatic, 0 none, 2..kMaxStages), or 0 where the
+// ring cannot run: not `eligible` (per-token modulation, unaligned rows), a GPU before sm_90, or
+// too little shared memory for two slots of `slot_bytes` beside `fixed_bytes`. Automatic: slots
+// for ~64 KB of rows per block.
+int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_bytes);
 int max_features(DType xt);
 
 void launch_forward(const FwdArgs& a, cudaStream_t stream);
@@ -244,12 +250,24 @@ __device__ __forceinline__ void mbar_init(uint64_t* bars, int count) {
 #endif
 }
 
-// One thread: expect `bytes` on `bar` and start copying them from `src` (global) to `dst` (shared).
-// The proxy fence orders the block's earlier reads of `dst` before the copy engine overwrites it.
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+// One thread, before refilling a buffer the block has read: orders those (generic-proxy) reads
+// before the copy engine's (async-proxy) writes.
+__device__ __forceinline__ void async_proxy_fence() {
 #ifdef ADALN_BULK
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// One thread: the one arrival on `bar`, which then completes when `bytes` more have landed.
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
+#ifdef ADALN_BULK
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+#endif
+}
+
+// One thread: copy `bytes` from `src` (global) to `dst` (shared), counted on `bar` as they land.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+#ifdef ADALN_BULK
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 #else

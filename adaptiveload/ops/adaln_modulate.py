@@ -214,13 +214,21 @@ def _max_threads() -> int:
     return int(os.environ.get("ADAPTIVELOAD_MAX_THREADS", "512"))
 
 
-def _forward_stages() -> int:
-    """``ADAPTIVELOAD_FWD_STAGES``: rows of the forward's shared-memory ring on sm_90 ("auto": the
-    launcher's choice; 2-8: that many; "0", the default: the register-prefetch forward). The kernels
-    fall back to the register forward where the ring cannot run (per-token modulation, unaligned
-    rows, GPUs before sm_90)."""
-    value = os.environ.get("ADAPTIVELOAD_FWD_STAGES", "0").strip().lower()
-    return -1 if value == "auto" else int(value)
+def _ring_stages(name: str) -> int:
+    """``ADAPTIVELOAD_FWD_STAGES`` / ``ADAPTIVELOAD_BWD_STAGES``: rows of the forward's / backward
+    row kernel's shared-memory ring on sm_90 ("auto": the launcher's choice; 2-8: that many; "0",
+    the default: the register prefetch of one row). The kernels use the register prefetch where the
+    ring cannot run (per-token scale, unaligned rows, GPUs before sm_90).
+
+    Raises:
+        ValueError: a value other than "auto" or an integer 0, 2..8.
+    """
+    value = os.environ.get(name, "0").strip().lower()
+    if value == "auto":
+        return -1
+    if value.isdigit() and (int(value) == 0 or 2 <= int(value) <= 8):
+        return int(value)
+    raise ValueError(f"{name}={value!r}: expected 'auto', 0 or 2..8")
 
 
 def _two_kernel_backward() -> bool:
@@ -296,7 +304,7 @@ def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
         float(eps),
         out_dtype != x.dtype,
         _max_threads(),
-        _forward_stages(),
+        _ring_stages("ADAPTIVELOAD_FWD_STAGES"),
     )
     if out_dtype not in (x.dtype, torch.float32):
         y = y.to(out_dtype)
@@ -332,6 +340,7 @@ def _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd)
         rstd.to(torch.float32).contiguous().view(-1),
         _two_kernel_backward(),
         _max_threads(),
+        _ring_stages("ADAPTIVELOAD_BWD_STAGES"),
     )
     return (
         dx.view(x.shape),

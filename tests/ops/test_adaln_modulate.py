@@ -386,6 +386,44 @@ def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatc
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("stages", ["auto", "2", "5"])
+def test_backward_ring_matches_the_register_backward(kernels, monkeypatch, stages):
+    """The backward's shared-memory ring: dx bit for bit (per-row arithmetic is the same); the summed
+    gradients to fp32 rounding (the ring changes occupancy, hence the row tiles the partial sums run
+    over); two ring runs bit-identical; per-token scale falls back to the register kernel."""
+    gen = torch.Generator(device="cuda").manual_seed(22)
+    cases = [(1, 1, 1536, torch.bfloat16, torch.bfloat16), (3, 7, 3072, torch.bfloat16, torch.float32),
+             (2, 4099, 5120, torch.bfloat16, torch.bfloat16), (1, 65536, 1536, torch.bfloat16, torch.bfloat16),
+             (2, 333, 8, torch.float16, torch.float32), (1, 1000, 16384, torch.bfloat16, torch.bfloat16),
+             (2, 129, 1000, torch.float32, torch.float32)]
+    for i, (B, N, D, dtype, dy_dtype) in enumerate(cases):
+        mod_dtype = torch.float32 if i % 2 else dtype
+        x = torch.randn(B, N, D, device="cuda", generator=gen).to(dtype)
+        dy = torch.randn(B, N, D, device="cuda", generator=gen).to(dy_dtype)
+        scale, shift, _ = (0.2 * torch.randn(B, 3 * D, device="cuda", generator=gen)).to(mod_dtype).chunk(3, -1)
+        scale, shift = scale.unsqueeze(1), shift.unsqueeze(1)
+        if i == 4:  # per-token scale: the register kernel
+            scale = scale.expand(B, N, D).contiguous()
+        w = torch.randn(D, device="cuda", generator=gen).to(dtype)
+        b = torch.randn(D, device="cuda", generator=gen).to(dtype)
+        y, mean, rstd = torch.ops.adaptiveload.adaln_modulate(x, w, b, scale, shift, EPS, dtype)
+        grads = {}
+        for setting in ("0", stages, stages):
+            monkeypatch.setenv("ADAPTIVELOAD_BWD_STAGES", setting)
+            grads.setdefault(setting, []).append(
+                torch.ops.adaptiveload.adaln_modulate_backward(dy, x, w, b, scale, shift, mean, rstd))
+        ref, (ring, again) = grads["0"][0], grads[stages]
+        where = f"B={B} N={N} D={D} {dtype} dy {dy_dtype} stages={stages}"
+        assert torch.equal(ref[0], ring[0]), f"dx differs at {where}"
+        for name, r, g, g2 in zip(("dweight", "dbias", "dscale", "dshift"), ref[1:], ring[1:], again[1:]):
+            assert torch.equal(g, g2), f"{name}: two ring runs differ at {where}"
+            torch.testing.assert_close(g.float(), r.float(), rtol=1e-4, atol=1e-4 * float(r.float().abs().max()) + 1e-6,
+                                       msg=f"{name} at {where}")
+    check_against_float64((2, 4099, 5120), torch.bfloat16, "strided-per-sample", "per-sample", True, "cuda", 6,
+                          mod_fp32=True)
+
+
+@pytest.mark.cuda
 def test_kernels_wan_dtype_pattern_bf16_x_fp32_modulation(kernels):
     check_against_float64((2, 4096, 1536), torch.bfloat16, "strided-per-sample", "strided-per-sample", False,
                           "cuda", 8, mod_fp32=True)
