@@ -32,8 +32,9 @@ cases = [  # (B, N, D, x dtype, modulation dtype, layout, affine)
 for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
     design = ("one_pass", "two_kernel")[i % 2]
     os.environ["ADAPTIVELOAD_BWD"] = design
-    os.environ["ADAPTIVELOAD_FWD_STAGES"] = ("auto", "0", "2")[i % 3]  # the shared-memory rings, or not
-    os.environ["ADAPTIVELOAD_BWD_STAGES"] = ("0", "auto", "3")[i % 3]
+    # the shared-memory rings where the case allows them (aligned, per-sample/shared; backward: <= 2 chunks)
+    os.environ["ADAPTIVELOAD_FWD_STAGES"] = ("auto", "0", "2", "0", "0", "3", "auto")[i]
+    os.environ["ADAPTIVELOAD_BWD_STAGES"] = ("auto", "0", "3", "0", "0", "0", "0")[i]
     x = torch.randn(B, N, D, device="cuda", generator=g).to(xdt)
     if layout == "strided":
         scale, shift = (t.unsqueeze(1) for t in torch.randn(B, 3 * D, device="cuda", generator=g).to(mdt).chunk(3, -1)[:2])

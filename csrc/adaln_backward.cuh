@@ -127,6 +127,8 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   };
   load_row(n0);
 
+  int slot = 0;  // RING: the slot of row n, and the parity of its use ((n - n0) / S) & 1
+  uint32_t phase = 0;
   for (int64_t n = n0; n < n1; ++n) {
     // The current row stays in its storage type (half the registers of fp32 for 16-bit types);
     // x_hat and g are recomputed from it after the barrier instead of being held across it.
@@ -134,9 +136,8 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
     Raw<Tx, VEC> cx[C];
     Raw<Tdy, VEC> cdy[C];
     Raw<Tm, VEC> cs[C];
-    const int slot = RING ? static_cast<int>((n - n0) % S) : 0;
     if constexpr (RING) {
-      mbar_wait(&full[slot], static_cast<uint32_t>(((n - n0) / S) & 1));
+      mbar_wait(&full[slot], phase);
       const Tx* xrow = reinterpret_cast<const Tx*>(ring + slot * stride);
       const Tdy* dyrow = reinterpret_cast<const Tdy*>(ring + slot * stride + x_bytes);
 #pragma unroll
@@ -201,6 +202,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
     block_sum<2>(sums, red, parity);
     if constexpr (RING) {  // every thread holds the row in registers: refill the slot
       if (tid == 0 && n + S < n1) fetch(slot, n + S);
+      if (++slot == S) slot = 0, phase ^= 1;
     }
     const float mg = sums[0] * inv_d, mgx = sums[1] * inv_d;
 
@@ -350,7 +352,12 @@ struct BwdKernels {
   }
   // Sets a.stages (the ring's slots, or 0), a.tiles and a.rows_per_tile.
   static void plan(BwdArgs& a, int threads) {
-    a.stages = ring_stages(a.stages, kRing && a.aligned, coef(a, threads), slot(a));
+    if constexpr (kRing) {
+      const void* ring = reinterpret_cast<const void*>(bwd_row_kernel<Tx, Tm, Tdy, C, false, true>);
+      a.stages = ring_stages(a.stages, a.aligned, coef(a, threads), slot(a), ring);
+    } else {
+      a.stages = 0;
+    }
     with_kernel(a, [&](auto kernel) { one_wave(kernel, threads, smem(a, threads), a.B, a.N, a.tiles, a.rows_per_tile); });
   }
   static void launch(const BwdArgs& a, int threads, cudaStream_t stream) {

@@ -101,11 +101,12 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   };
   if constexpr (!RING) load_row(n0, nx);
 
+  int slot = 0;          // RING: the slot of row n, and the parity of its use ((n - n0) / S) & 1
+  uint32_t phase = 0;
   for (int64_t n = n0; n < n1; ++n) {
     float xv[C][VEC];
-    const int slot = RING ? static_cast<int>((n - n0) % S) : 0;
     if constexpr (RING) {
-      mbar_wait(&full[slot], static_cast<uint32_t>(((n - n0) / S) & 1));
+      mbar_wait(&full[slot], phase);
       const Tx* row = reinterpret_cast<const Tx*>(ring + slot * stride);
 #pragma unroll
       for (int c = 0; c < C; ++c) {
@@ -148,6 +149,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
     block_sum<1>(sum, red, parity);
     if constexpr (RING) {  // every thread has read the slot: refill it
       if (tid == 0 && n + S < n1) fetch(slot, n + S);
+      if (++slot == S) slot = 0, phase ^= 1;
     }
     const float mean = sum[0] * inv_d;
 
@@ -219,13 +221,20 @@ int num_sms() {
   return cached[dev];
 }
 
-int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_bytes) {
+int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_bytes, const void* ring_kernel) {
   if (requested == 0 || !eligible) return 0;
   int dev = 0, major = 0, optin = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (major < 9) return 0;
+  cudaFuncAttributes attr{};
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
+      cudaFuncGetAttributes(&attr, ring_kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  // the device and the code both sm_90+: a build for an older target (e.g. TORCH_CUDA_ARCH_LIST=8.0+PTX,
+  // JIT-compiled here) has no bulk copies in it
+  if (major < 9 || attr.ptxVersion < 90 || optin <= 1024) return 0;
   const size_t room = static_cast<size_t>(optin) - 1024;  // static shared memory: reductions, barriers
   int stages = requested > 0 ? requested : static_cast<int>((64 * 1024) / slot_bytes);
   stages = stages < 2 ? 2 : (stages > kMaxStages ? kMaxStages : stages);
@@ -239,20 +248,23 @@ void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
   const RowShape rs = row_shape(a.D, a.xt, a.max_threads);
   const bool pt = a.scale.sn != 0 || (a.shift.ptr && a.shift.sn != 0);
   const size_t coef = coef_smem_bytes(2, rs.chunks, rs.threads, a.xt);
-  a.stages = ring_stages(a.stages, !pt && a.aligned && rs.chunks <= 4, coef, ring_stride(a.D, sizeof(Tx)));
-  const size_t smem = coef + a.stages * ring_stride(a.D, sizeof(Tx));
-  auto go = [&](auto kernel) {
+  const size_t stride = ring_stride(a.D, sizeof(Tx));
+  auto go = [&](auto kernel, int stages) {
+    a.stages = stages;
+    const size_t smem = coef + stages * stride;
     int64_t tiles, rpt;
     one_wave(kernel, rs.threads, smem, a.B, a.N, tiles, rpt);
     kernel<<<static_cast<unsigned>(a.B * tiles), rs.threads, smem, stream>>>(a, tiles, rpt);
   };
   auto pick = [&](auto chunks) {  // per-token, ring (up to 4 chunks a thread: no spills), or register prefetch
     constexpr int kC = decltype(chunks)::value;
-    if (pt) return go(fwd_kernel<Tx, Tm, To, kC, true, false>);
+    if (pt) return go(fwd_kernel<Tx, Tm, To, kC, true, false>, 0);
     if constexpr (kC <= 4) {
-      if (a.stages > 0) return go(fwd_kernel<Tx, Tm, To, kC, false, true>);
+      auto ring = fwd_kernel<Tx, Tm, To, kC, false, true>;
+      const int stages = ring_stages(a0.stages, a.aligned, coef, stride, reinterpret_cast<const void*>(ring));
+      if (stages > 0) return go(ring, stages);
     }
-    go(fwd_kernel<Tx, Tm, To, kC, false, false>);
+    go(fwd_kernel<Tx, Tm, To, kC, false, false>, 0);
   };
   switch (rs.chunks) {
     case 1: pick(std::integral_constant<int, 1>{}); break;

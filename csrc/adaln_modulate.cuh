@@ -93,11 +93,11 @@ struct RowShape {
   int chunks;
 };
 RowShape row_shape(int D, DType xt, int max_threads);
-// Ring slots for `requested` (FwdArgs::stages: -1 automatic, 0 none, 2..kMaxStages), or 0 where the
-// ring cannot run: not `eligible` (per-token modulation, unaligned rows), a GPU before sm_90, or
-// too little shared memory for two slots of `slot_bytes` beside `fixed_bytes`. Automatic: slots
-// for ~64 KB of rows per block.
-int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_bytes);
+// Ring slots of `ring_kernel` for `requested` (FwdArgs::stages: -1 automatic, 0 none,
+// 2..kMaxStages), or 0 where the ring cannot run: not `eligible` (unaligned rows), a GPU or a build
+// before sm_90, or too little shared memory for two slots of `slot_bytes` beside `fixed_bytes`.
+// Automatic: slots for ~64 KB of rows per block.
+int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_bytes, const void* ring_kernel);
 int max_features(DType xt);
 
 void launch_forward(const FwdArgs& a, cudaStream_t stream);

@@ -353,7 +353,20 @@ def test_kernels_wide_rows_in_any_order(kernels):
                               mod_fp32=True)
 
 
+def _adaln_kernels_launched(fn) -> set:
+    """Names of the fused op's CUDA kernels that ``fn()`` launched (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "adaln" in e.name}
+
+
+needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                                reason="the shared-memory ring needs sm_90 bulk copies")
+
+
 @pytest.mark.cuda
+@needs_sm90
 @pytest.mark.parametrize("stages", ["auto", "2", "3", "8"])
 def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatch, stages):
     """The shared-memory row ring (sm_90 bulk copies) runs the same arithmetic as the register
@@ -374,18 +387,24 @@ def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatc
         per_token = i == 4
         mods = ((scale.unsqueeze(1).expand(B, N, D).contiguous(), shift.unsqueeze(1)) if per_token
                 else (scale.unsqueeze(1), shift.unsqueeze(1)))
-        outputs = {}
+        outputs, launched = {}, {}
         for setting in ("0", stages):
             monkeypatch.setenv("ADAPTIVELOAD_FWD_STAGES", setting)
             outputs[setting] = torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype)
+            launched[setting] = _adaln_kernels_launched(
+                lambda: torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype))
+        where = f"B={B} N={N} D={D} {dtype} stages={stages}"
+        # the ring is another kernel instantiation; per-token modulation keeps the register forward
+        assert (launched["0"] == launched[stages]) == per_token, (where, launched)
         for name, ref, got in zip(("y", "mean", "rstd"), outputs["0"], outputs[stages]):
-            assert torch.equal(ref, got), f"{name} differs at B={B} N={N} D={D} {dtype} stages={stages}"
+            assert torch.equal(ref, got), f"{name} differs at {where}"
     # and the ring itself against float64 (the environment still selects it)
     check_against_float64((2, 4099, 5120), torch.bfloat16, "strided-per-sample", "per-sample", True, "cuda", 5,
                           mod_fp32=True)
 
 
 @pytest.mark.cuda
+@needs_sm90
 @pytest.mark.parametrize("stages", ["auto", "2", "5"])
 def test_backward_ring_matches_the_register_backward(kernels, monkeypatch, stages):
     """The backward's shared-memory ring: dx bit for bit (per-row arithmetic is the same); the summed
@@ -407,13 +426,18 @@ def test_backward_ring_matches_the_register_backward(kernels, monkeypatch, stage
         w = torch.randn(D, device="cuda", generator=gen).to(dtype)
         b = torch.randn(D, device="cuda", generator=gen).to(dtype)
         y, mean, rstd = torch.ops.adaptiveload.adaln_modulate(x, w, b, scale, shift, EPS, dtype)
-        grads = {}
+        grads, launched = {}, {}
         for setting in ("0", stages, stages):
             monkeypatch.setenv("ADAPTIVELOAD_BWD_STAGES", setting)
             grads.setdefault(setting, []).append(
                 torch.ops.adaptiveload.adaln_modulate_backward(dy, x, w, b, scale, shift, mean, rstd))
+            launched[setting] = _adaln_kernels_launched(
+                lambda: torch.ops.adaptiveload.adaln_modulate_backward(dy, x, w, b, scale, shift, mean, rstd))
         ref, (ring, again) = grads["0"][0], grads[stages]
         where = f"B={B} N={N} D={D} {dtype} dy {dy_dtype} stages={stages}"
+        # the ring takes per-sample scale up to 2 chunks a thread (D <= 8192 for 16-bit x)
+        takes_ring = i != 4 and D <= (4096 if dtype == torch.float32 else 8192)
+        assert (launched["0"] != launched[stages]) == takes_ring, (where, launched)
         assert torch.equal(ref[0], ring[0]), f"dx differs at {where}"
         for name, r, g, g2 in zip(("dweight", "dbias", "dscale", "dshift"), ref[1:], ring[1:], again[1:]):
             assert torch.equal(g, g2), f"{name}: two ring runs differ at {where}"
