@@ -216,14 +216,14 @@ def _max_threads() -> int:
 
 def _ring_stages(name: str) -> int:
     """``ADAPTIVELOAD_FWD_STAGES`` / ``ADAPTIVELOAD_BWD_STAGES``: rows of the forward's / backward
-    row kernel's shared-memory ring on sm_90 ("auto": the launcher's choice; 2-8: that many; "0",
-    the default: the register prefetch of one row). The kernels use the register prefetch where the
+    row kernel's shared-memory ring on sm_90 ("auto", the default: the launcher's choice, about
+    64 KB of rows; 2-8: that many rows; "0": the register prefetch of one row). The kernels use the register prefetch where the
     ring cannot run (per-token scale, unaligned rows, GPUs before sm_90).
 
     Raises:
         ValueError: a value other than "auto" or an integer 0, 2..8.
     """
-    value = os.environ.get(name, "0").strip().lower()
+    value = os.environ.get(name, "auto").strip().lower()
     if value == "auto":
         return -1
     if value.isdigit() and (int(value) == 0 or 2 <= int(value) <= 8):

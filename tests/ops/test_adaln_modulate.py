@@ -265,6 +265,22 @@ def test_bad_inputs_raise_value_error_naming_the_tensor(kwargs, names):
         assert name in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["ADAPTIVELOAD_FWD_STAGES", "ADAPTIVELOAD_BWD_STAGES"])
+def test_ring_stage_setting(monkeypatch, name):
+    """Unset: "auto" (-1, the launcher's choice); 0 and 2..8 pass through; anything else names the variable."""
+    from adaptiveload.ops.adaln_modulate import _ring_stages
+
+    monkeypatch.delenv(name, raising=False)
+    assert _ring_stages(name) == -1
+    for value, expected in [("auto", -1), (" AUTO ", -1), ("0", 0), ("2", 2), ("8", 8)]:
+        monkeypatch.setenv(name, value)
+        assert _ring_stages(name) == expected, value
+    for bad in ("1", "9", "-1", "fast", ""):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            _ring_stages(name)
+
+
 def test_modulation_rows_view_strided_chunks_without_copy():
     x_shape = torch.Size([2, 5, 8])
     emb = torch.randn(2, 6 * 8)
