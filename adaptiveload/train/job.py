@@ -441,6 +441,7 @@ def _one_step(step: TrainStep, batches, ctx: DistContext, index: int, profile: b
         status, message = 1, str(err).splitlines()[0][:200]
         step.optimizer.zero_grad(set_to_none=True)
     except Exception as err:  # noqa: BLE001 - reported to every rank, then the run stops
+        logger.exception("rank %d: step on latent %s with B=%d failed", ctx.rank, "x".join(map(str, shape)), len(batch))
         text = str(err).splitlines()[0][:200] if str(err) else ""
         waited = isinstance(err, torch.distributed.DistError) or "timed out" in text.lower()
         status, message = (3 if waited else 2), f"{type(err).__name__}: {text}"

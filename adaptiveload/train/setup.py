@@ -13,6 +13,7 @@ parameter (float32). Off on CPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -23,7 +24,7 @@ import torch
 from adaptiveload.sched.manifest import Manifest, load_manifest, reference_mix
 from adaptiveload.sched.shapes import WAN_PATCH_SIZE, WAN_VAE_STRIDE
 from adaptiveload.train.distributed import DistContext
-from adaptiveload.train.step import InputSpec, StepConfig, TrainStep, load_model
+from adaptiveload.train.step import InputSpec, StepConfig, TrainStep, load_model, transformer_blocks
 
 logger = logging.getLogger("adaptiveload.train")
 
@@ -75,14 +76,18 @@ def bucket_shapes(corpus: Manifest) -> np.ndarray:
 def resolve_activation_checkpointing(mode: str, model: torch.nn.Module, max_seq_len: int, device: torch.device) -> bool:
     """Decide activation checkpointing (``"on"``, ``"off"``, ``"auto"``; the rule is in the module docstring).
 
+    The step applies it (:func:`~adaptiveload.train.step.checkpoint_blocks`).
+
     Raises:
-        ValueError: an unknown mode, or ``"on"`` for a model without ``set_activation_checkpointing``.
+        ValueError: an unknown mode, or ``"on"`` for a model with neither a list of blocks nor
+            ``set_activation_checkpointing``.
     """
     if mode not in CHECKPOINT_MODES:
         raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose one of {', '.join(CHECKPOINT_MODES)}")
-    can = hasattr(model, "set_activation_checkpointing")
+    can = bool(transformer_blocks(model)) or hasattr(model, "set_activation_checkpointing")
     if mode == "on" and not can:
-        raise ValueError(f"model {type(model).__name__} has no set_activation_checkpointing(); configure it in the factory")
+        raise ValueError(f"model {type(model).__name__} has no list of blocks and no set_activation_checkpointing(); "
+                         "configure checkpointing in the factory")
     if mode == "auto":
         config = getattr(model, "config", None)
         if device.type != "cuda" or not can or config is None or not hasattr(config, "dim"):
@@ -95,8 +100,6 @@ def resolve_activation_checkpointing(mode: str, model: torch.nn.Module, max_seq_
                     "on" if enabled else "off", activations / 2**30, free / 2**30)
     else:
         enabled = mode == "on"
-    if can:
-        model.set_activation_checkpointing(enabled)
     return enabled
 
 
@@ -142,6 +145,7 @@ def build_step(
         activation_checkpointing=checkpointing,
         modulate_sites=getattr(model, "num_modulate_sites", None),
     )
+    step_config = dataclasses.replace(step_config, activation_checkpointing=checkpointing)
     return TrainStep(model, step_config, ctx), spec, info
 
 

@@ -115,6 +115,9 @@ class StepConfig:
         inner: the compiler the adaptiveload backend hands the rewritten graph to.
         learning_rate, weight_decay, betas: AdamW's.
         fsdp: shard with FSDP2; ``None`` means "when there are several ranks".
+        activation_checkpointing: recompute each transformer block's activations in backward
+            (:func:`checkpoint_blocks`); a model without a list of blocks must offer
+            ``set_activation_checkpointing(bool)``.
     """
 
     backend: str = "adaptiveload"
@@ -123,6 +126,7 @@ class StepConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     fsdp: Optional[bool] = None
+    activation_checkpointing: bool = False
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -211,6 +215,47 @@ def flow_matching_loss(model, latents: Tensor, context: Tensor, noise: Tensor, s
     return (prediction.float() - target.float()).pow(2).flatten(1).mean(dim=1)
 
 
+def checkpoint_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """Activation checkpointing of every block, taken inside the block's ``forward``.
+
+    ``block.forward`` becomes ``checkpoint(forward, ..., use_reentrant=False)`` (while grad is
+    enabled), so a block's compiled region (:meth:`TrainStep._compile_forward`) holds the checkpoint:
+    Dynamo traces it as one higher-order op and the recomputation runs inside the compiled backward.
+    A checkpoint taken around the block call instead (the model's own switch) re-enters the compiled
+    forward in backward, where FSDP2's inputs are no longer views; Dynamo's guards on their bases
+    then fail, the recomputation recompiles a different graph, and torch.utils.checkpoint raises
+    CheckpointError (different saved tensors). So the model's own switch is turned off here. FSDP2's
+    hooks stay outside the checkpoint, as torchtitan orders them (checkpoint, compile, shard).
+
+    Args:
+        model: the whole model; its ``set_activation_checkpointing(bool)`` is used when it has no blocks.
+        blocks: :func:`transformer_blocks` of ``model``.
+
+    Raises:
+        ValueError: no blocks and no ``set_activation_checkpointing``.
+    """
+    switch = getattr(model, "set_activation_checkpointing", None)
+    if not blocks:
+        if switch is None:
+            raise ValueError(f"model {type(model).__name__} has no list of blocks and no "
+                             "set_activation_checkpointing(); configure checkpointing in the factory")
+        switch(True)
+        return
+    if switch is not None:
+        switch(False)
+    for block in blocks:
+        block.forward = _checkpointed(block.forward)
+
+
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
 def _block_inputs_dynamic(module, args):
     """Forward pre-hook of a compiled block: contiguous tensor inputs (also inside tuples and lists,
     e.g. diffusers' rotary (cos, sin)) with every dim but the channel (last) dim marked dynamic, so
@@ -272,6 +317,8 @@ class TrainStep:
         # (compiling the whole FSDP2 model breaks the graph at every hook and recompiles per shape).
         # A model without a list of blocks is compiled whole.
         blocks = transformer_blocks(self.module)
+        if config.activation_checkpointing:
+            checkpoint_blocks(self.module, blocks)
         for block in blocks:
             self._compile_forward(block)
             if self.sharded:

@@ -31,9 +31,25 @@ def test_wrapper_trains_with_the_shared_step():
     assert float(step.forward_backward(batch, 2)) < first  # it learns the batch
 
 
-def test_activation_checkpointing_switch():
-    model = DiffusersWan(**SMALL)
-    assert resolve_activation_checkpointing("on", model, 100, torch.device("cpu"))
-    assert model.inner.is_gradient_checkpointing
-    assert not resolve_activation_checkpointing("off", model, 100, torch.device("cpu"))
-    assert not model.inner.is_gradient_checkpointing
+def test_activation_checkpointing_of_the_diffusers_blocks_keeps_gradients():
+    """The step checkpoints diffusers' blocks itself (diffusers' own switch stays off): fewer saved
+    tensors, the same gradients."""
+    assert resolve_activation_checkpointing("on", DiffusersWan(**SMALL), 100, torch.device("cpu")) is True
+    assert resolve_activation_checkpointing("off", DiffusersWan(**SMALL), 100, torch.device("cpu")) is False
+    grads, saved = {}, {}
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = DiffusersWan(**SMALL)
+        model.config.text_len = 8
+        step = TrainStep(model, StepConfig(backend="eager", activation_checkpointing=checkpointed), DistContext())
+        assert not model.inner.is_gradient_checkpointing
+        batch = synthetic_batch(InputSpec.from_model(model), 2, (3, 6, 8))
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+            step.forward_backward(batch, 2)
+        saved[checkpointed] = len(packed)
+        grads[checkpointed] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert saved[True] < saved[False]
+    assert grads[True].keys() == grads[False].keys() and grads[False]
+    for name, ref in grads[False].items():
+        torch.testing.assert_close(grads[True][name], ref, rtol=1e-5, atol=1e-7, msg=name)

@@ -88,6 +88,20 @@ def test_activation_checkpointing_run_fuses_inside_checkpointed_blocks(tmp_path,
     assert run["fused_chains"] == run["seen_chains"] == 4 and run["compiled_graphs_in_training"] == 0
 
 
+def test_two_ranks_with_activation_checkpointing_and_inductor(tmp_path, run_cli):
+    """FSDP2 + activation checkpointing + Inductor, every size class compiled in warm-up. With the
+    checkpoint taken around the block call, the recomputation re-entered the compiled forward with
+    FSDP2's inputs no longer views, recompiled a different graph and failed with CheckpointError
+    (seen on two H200s at the first B = 2 bucket); the step now checkpoints inside each block."""
+    out = tmp_path / "out"
+    args = ("--samples", "48", "--steps", "2", "--eval-every", "5", "--profile-every", "0", "--quiet")
+    proc = run_cli("train", *args, "--backend", "inductor", "--activation-checkpointing", "on", "--out", out, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = _results(out)["runs"]
+    assert run["status"] == "ok" and run["steps"] == 2 and run["model"]["activation_checkpointing"] is True
+    assert run["compiled_graphs_in_training"] == 0
+
+
 def test_two_ranks_finish_together_with_complete_metrics(tmp_path, run_cli):
     out = tmp_path / "out"
     args = ("--samples", "48", "--eval-every", "3", "--profile-every", "2", "--quiet", "--backend", "eager")

@@ -107,27 +107,57 @@ def test_a_non_finite_loss_skips_the_update():
 
 
 def test_checkpointed_blocks_compile_inside_the_checkpoint_and_match_eager():
-    """Activation checkpointing with regional compilation: each new graph is compiled during a
-    checkpointed forward, and the recomputation must save what the forward saved (the rewrite's
-    fake values once ran autograd there). Gradients match the eager model's on every shape."""
+    """StepConfig.activation_checkpointing with regional compilation: each block's checkpoint is
+    taken inside its compiled region (each new graph is compiled with the checkpoint in it; the
+    rewrite's fake values once ran autograd there), the model's own switch stays off, and gradients
+    match the un-checkpointed eager model's on every shape."""
     torch._dynamo.reset()
     steps = {}
-    for backend in ("eager", "adaptiveload"):
+    for name, backend, checkpointed in (("reference", "eager", False), ("eager", "eager", True),
+                                        ("adaptiveload", "adaptiveload", True)):
         torch.manual_seed(0)
-        model = load_model(preset="tiny", activation_checkpointing=True)
-        steps[backend] = TrainStep(model, StepConfig(backend=backend, inner="aot_eager", learning_rate=1e-3),
-                                   DistContext())
+        model = load_model(preset="tiny")
+        config = StepConfig(backend=backend, inner="aot_eager", learning_rate=1e-3, activation_checkpointing=checkpointed)
+        steps[name] = TrainStep(model, config, DistContext())
+        assert not model.activation_checkpointing
     spec = InputSpec.from_model(steps["eager"].module)
     for b, shape in [(1, (1, 6, 12)), (2, (1, 6, 12)), (2, (3, 10, 20)), (1, (2, 4, 6))]:
         batch = synthetic_batch(spec, b, shape, seed=b)
         losses = {k: float(s.forward_backward(batch, b)) for k, s in steps.items()}
-        assert losses["adaptiveload"] == pytest.approx(losses["eager"], rel=1e-5), (b, shape)
-        ref, got = _grads(steps["eager"]), _grads(steps["adaptiveload"])
-        assert ref.keys() == got.keys() and ref
-        for name in ref:
-            torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6, msg=f"{name} at B={b} {shape}")
+        ref = _grads(steps["reference"])
+        for name in ("eager", "adaptiveload"):
+            assert losses[name] == pytest.approx(losses["reference"], rel=1e-5), (name, b, shape)
+            got = _grads(steps[name])
+            assert ref.keys() == got.keys() and ref
+            for param in ref:
+                torch.testing.assert_close(got[param], ref[param], rtol=1e-4, atol=1e-6,
+                                           msg=f"{name}: {param} at B={b} {shape}")
         for s in steps.values():
             s.optimizer.zero_grad(set_to_none=True)
+
+
+def test_activation_checkpointing_saves_no_tensor_inside_the_blocks():
+    """Eager step: without checkpointing, autograd saves k_i tensors inside block i (counted between
+    its forward hooks); with it, block i saves only its 5 tensor inputs (x, context, temb6, cos, sin),
+    which the checkpoint keeps for the recomputation."""
+    saved = {}
+    per_block = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = load_model(preset="tiny")
+        step = TrainStep(model, StepConfig(backend="eager", activation_checkpointing=checkpointed), DistContext())
+        packed = []
+        if not checkpointed:
+            for block in model.blocks:
+                block.register_forward_pre_hook(lambda m, a: per_block.append(-len(packed)))
+                block.register_forward_hook(lambda m, a, out: per_block.append(len(packed)))
+        batch = synthetic_batch(InputSpec.from_model(model), 2, (2, 4, 6))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+            step.forward_backward(batch, 2)
+        saved[checkpointed] = len(packed)
+    inside = sum(per_block)
+    assert inside > 0 and len(per_block) == 2 * len(model.blocks)
+    assert saved[True] == saved[False] - inside + 5 * len(model.blocks)
 
 
 def test_new_bucket_shapes_reuse_the_graphs_of_their_size_class():
