@@ -88,8 +88,18 @@ class DistContext:
         return box[0]
 
     def close(self) -> None:
-        """Destroy the process groups this context created (no-op otherwise)."""
+        """Leave together, then destroy the process groups this context created (no-op otherwise).
+
+        Every rank first waits for the others on the control group, so a rank that is done early
+        (e.g. rank 1 after agreeing on a failure) does not tear down its connections while a peer
+        is still writing results; a peer that died lets the wait fail after the control timeout,
+        and the groups are destroyed anyway.
+        """
         if self.owns_group and dist.is_initialized():
+            try:
+                dist.barrier(group=self.control_group)
+            except RuntimeError as err:  # DistError and gloo timeouts derive from RuntimeError
+                logger.warning("rank %d: not every rank reached the end (%s)", self.rank, str(err).splitlines()[0])
             dist.destroy_process_group()
             self.owns_group = False
 
