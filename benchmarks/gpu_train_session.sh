@@ -9,7 +9,8 @@
 #   CALIBRATION=<calib_ckpt.json> EXTRA="--activation-checkpointing on" bash ... x2
 # Same corpus (reference mix, --samples, --seed) and plan calibration for every configuration. Each run is capped
 # with `timeout` so one hang cannot eat the session; results.json/png of every run and all logs are packed
-# into $OUT/<phase>.tgz (checkpoints are off); Dynamo recompiles and their reasons go to the run logs.
+# into $OUT/<phase>.tgz after every run (checkpoints are off); Dynamo recompiles and their reasons go to
+# the run logs. Keep CAP times the number of runs, plus ~90 s of install and build, under the call's limit.
 # ONLY="x2_baseline x2_dual" runs a subset of a phase; BUDGET_GB (default 120) sets --memory-budget-gb;
 # EXTRA holds more arguments for every run (e.g. EXTRA=--drop-oversized).
 # A first run on a bare machine compiles cold (about 2.5 min of start-up and warm-up for the 10-layer model under torchrun); later runs hit the cache.
@@ -27,13 +28,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RUNS/gp
 python -c "import torch; print(torch.__version__, torch.version.cuda)" > "$RUNS/torch.txt"
 python -m adaptiveload build > "$RUNS/build.log" 2>&1
 
-logged() {  # name, then a whole command: run it under `timeout $CAP`, log it; ONLY="name ..." runs just those
+pack() {  # everything so far into $OUT/<phase>.tgz (replaced whole), so a cut-off call keeps finished runs
+  tar czf "$OUT/$PHASE.tgz.part" -C "$RUNS" --exclude='checkpoint*' --exclude='*.pt' --exclude='*.distcp' . \
+    && mv "$OUT/$PHASE.tgz.part" "$OUT/$PHASE.tgz"
+}
+logged() {  # name, then a whole command: run it under `timeout $CAP`, log it, pack; ONLY="name ..." runs just those
   local name=$1; shift
   [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]] && return
   echo "== $name: $*" | tee -a "$RUNS/commands.txt"
   timeout "$CAP" "$@" > "$RUNS/$name.log" 2>&1
   echo "   exit $? after ${SECONDS}s" | tee -a "$RUNS/commands.txt"
   tail -n 25 "$RUNS/$name.log"
+  pack
 }
 train() { local name=$1; shift; logged "$name" "$@" "${COMMON[@]}" --out "$RUNS/$name"; }
 
@@ -75,5 +81,5 @@ case $PHASE in
     x1pair_runs
     ;;
 esac
-tar czf "$OUT/$PHASE.tgz" -C "$RUNS" --exclude='checkpoint*' --exclude='*.pt' --exclude='*.distcp' .
+pack
 ls -la "$OUT"
