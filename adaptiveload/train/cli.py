@@ -47,7 +47,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     group.add_argument("--inner", choices=INNER_COMPILERS, default=None,
                        help="compiler behind the adaptiveload backend (default: inductor on GPU, eager on CPU)")
     group.add_argument("--activation-checkpointing", choices=CHECKPOINT_MODES, default="auto",
-                       help="auto: on when the longest sample would not fit otherwise (GPU)")
+                       help="on: recompute every transformer block in backward (the step checkpoints "
+                            "inside each block's compiled region and turns the model's own switch off; do "
+                            "not enable checkpointing in your --model yourself); auto (default): on when "
+                            "the longest sample's activations would not fit in the device's memory "
+                            "(not --memory-budget-gb), off on CPU; off")
     group.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     group.add_argument("--dist-timeout", type=float, default=300.0,
                        help="seconds a collective waits for a failed peer before the ranks give up (torchrun)")
@@ -89,7 +93,8 @@ def run_train(args) -> int:
     except TrainingFailed as err:
         if ctx.is_main:
             print(f"adaptiveload train: error: {err}\nresults so far: {os.path.join(cfg.out, 'results.json')}", flush=True)
-        return 1  # the process groups may hold a timed-out collective: leave them to process exit
+        ctx.wait_for_all()
+        return 1  # the main group may hold a timed-out collective: leave the groups to process exit
     ctx.close()
     if ctx.is_main:
         print(format_report(results))
@@ -99,6 +104,15 @@ def run_train(args) -> int:
 
 def run_calibrate(args) -> int:
     """``adaptiveload calibrate``: time training steps over a (B, S) grid; write calibration.json (+ PNG)."""
+    preset, factory = _model_source(args)
+    ctx = init_distributed(args.device, timeout_s=args.dist_timeout)
+    status = _calibrate_and_write(args, ctx, preset, factory)
+    ctx.close()  # not after an unexpected error: the groups may hold a failed collective (process exit frees them)
+    return status
+
+
+def _calibrate_and_write(args, ctx, preset, factory) -> int:
+    """The body of :func:`run_calibrate`: sweep the grid, then (rank 0) write and print; the exit status."""
     from adaptiveload.sched.calibration import Calibration
     from adaptiveload.train.calibrate import calibrate, calibration_grid
     from adaptiveload.train.job import default_inner
@@ -106,50 +120,45 @@ def run_calibrate(args) -> int:
                                          device_memory_bytes, load_corpus)
     from adaptiveload.train.step import StepConfig
 
-    preset, factory = _model_source(args)
-    ctx = init_distributed(args.device, timeout_s=args.dist_timeout)
-    try:
-        downscale = args.downscale if args.downscale is not None else default_downscale(ctx.device)
-        corpus = load_corpus(args.manifest, args.samples, args.seed, downscale)
-        shapes = bucket_shapes(corpus)
-        grid = calibration_grid(shapes, corpus.patch_size, num_shapes=args.shapes, batch_sizes=args.batch_sizes,
-                                max_tokens=args.max_tokens)
-        step_config = StepConfig(backend=args.backend, inner=args.inner or default_inner(ctx.device))
-        step, spec, info = build_step(ctx, preset=preset, factory=factory, num_layers=args.num_layers,
-                                      step_config=step_config, activation_checkpointing=args.activation_checkpointing,
-                                      max_seq_len=int(corpus.seq_lens.max()), seed=args.seed)
-        run = calibrate(step, spec, grid, patch_size=corpus.patch_size, warmup=args.warmup, repeats=args.repeats,
-                        seed=args.seed)
-        settings = {"model": info.name, "num_layers": info.num_layers, "backend": step_config.describe(),
-                    "activation_checkpointing": info.activation_checkpointing, "world_size": ctx.world_size,
-                    "dtype": "bfloat16 autocast" if ctx.device.type == "cuda" else "float32", "optimizer": "AdamW",
-                    "warmup": args.warmup, "repeats": args.repeats, "corpus": corpus.source, "downscale": downscale}
-        if ctx.device.type == "cuda":
-            settings["device_memory_bytes"] = device_memory_bytes(ctx.device)
-        if not ctx.is_main:
-            return 1 if run.aborted else 0
-        ok = sum(p["status"] == "ok" for p in run.points)
-        if ok < 3:
-            print(f"adaptiveload calibrate: error: only {ok} point(s) ran"
-                  + (f" ({run.aborted})" if run.aborted else "") + "; nothing written")
-            return 1
-        calibration = Calibration.from_points(run.points, settings=settings, device=device_description(ctx.device))
-        out_dir = os.path.dirname(os.path.abspath(args.out))
-        os.makedirs(out_dir, exist_ok=True)
-        calibration.save(args.out)
-        png = calibration.plot(os.path.splitext(args.out)[0] + ".png")
-        print(calibration.describe())
-        for p in run.points:
-            time_ms = f"{p['step_time_s'] * 1e3:9.1f} ms" if p["step_time_s"] is not None else f"{p['status']:>12}"
-            mem = f"{p['peak_memory_bytes'] / 2**30:7.2f} GiB" if p["peak_memory_bytes"] else ""
-            print(f"  B={p['batch_size']:>3} latent {'x'.join(map(str, p['latent_shape'])):>10} S={p['seq_len']:>7,} {time_ms} {mem}")
-        print(f"wrote {args.out}" + (f" and {png}" if png else ""))
-        if run.aborted:
-            print(f"adaptiveload calibrate: error: sweep stopped early: {run.aborted} (points so far written)")
-            return 1
-        return 0
-    finally:
-        ctx.close()
+    downscale = args.downscale if args.downscale is not None else default_downscale(ctx.device)
+    corpus = load_corpus(args.manifest, args.samples, args.seed, downscale)
+    shapes = bucket_shapes(corpus)
+    grid = calibration_grid(shapes, corpus.patch_size, num_shapes=args.shapes, batch_sizes=args.batch_sizes,
+                            max_tokens=args.max_tokens)
+    step_config = StepConfig(backend=args.backend, inner=args.inner or default_inner(ctx.device))
+    step, spec, info = build_step(ctx, preset=preset, factory=factory, num_layers=args.num_layers,
+                                  step_config=step_config, activation_checkpointing=args.activation_checkpointing,
+                                  max_seq_len=int(corpus.seq_lens.max()), seed=args.seed)
+    run = calibrate(step, spec, grid, patch_size=corpus.patch_size, warmup=args.warmup, repeats=args.repeats,
+                    seed=args.seed)
+    settings = {"model": info.name, "num_layers": info.num_layers, "backend": step_config.describe(),
+                "activation_checkpointing": info.activation_checkpointing, "world_size": ctx.world_size,
+                "dtype": "bfloat16 autocast" if ctx.device.type == "cuda" else "float32", "optimizer": "AdamW",
+                "warmup": args.warmup, "repeats": args.repeats, "corpus": corpus.source, "downscale": downscale}
+    if ctx.device.type == "cuda":
+        settings["device_memory_bytes"] = device_memory_bytes(ctx.device)
+    if not ctx.is_main:
+        return 1 if run.aborted else 0
+    ok = sum(p["status"] == "ok" for p in run.points)
+    if ok < 3:
+        print(f"adaptiveload calibrate: error: only {ok} point(s) ran"
+              + (f" ({run.aborted})" if run.aborted else "") + "; nothing written")
+        return 1
+    calibration = Calibration.from_points(run.points, settings=settings, device=device_description(ctx.device))
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    calibration.save(args.out)
+    png = calibration.plot(os.path.splitext(args.out)[0] + ".png")
+    print(calibration.describe())
+    for p in run.points:
+        time_ms = f"{p['step_time_s'] * 1e3:9.1f} ms" if p["step_time_s"] is not None else f"{p['status']:>12}"
+        mem = f"{p['peak_memory_bytes'] / 2**30:7.2f} GiB" if p["peak_memory_bytes"] else ""
+        print(f"  B={p['batch_size']:>3} latent {'x'.join(map(str, p['latent_shape'])):>10} S={p['seq_len']:>7,} {time_ms} {mem}")
+    print(f"wrote {args.out}" + (f" and {png}" if png else ""))
+    if run.aborted:
+        print(f"adaptiveload calibrate: error: sweep stopped early: {run.aborted} (points so far written)")
+        return 1
+    return 0
 
 
 def add_commands(subparsers) -> None:

@@ -87,19 +87,26 @@ class DistContext:
         dist.broadcast_object_list(box, src=0, group=self.control_group)
         return box[0]
 
-    def close(self) -> None:
-        """Leave together, then destroy the process groups this context created (no-op otherwise).
+    def wait_for_all(self) -> None:
+        """Wait until every rank gets here (a barrier on the control group; no-op on one rank).
 
-        Every rank first waits for the others on the control group, so a rank that is done early
-        (e.g. rank 1 after agreeing on a failure) does not tear down its connections while a peer
-        is still writing results; a peer that died lets the wait fail after the control timeout,
-        and the groups are destroyed anyway.
+        Ranks call it before leaving, so a rank that is done early (e.g. rank 1 after agreeing on a
+        failure) does not tear down its connections while a peer still writes results. The wait
+        is bounded by the control group's timeout (``timeout_s`` of :func:`init_distributed` + 60 s);
+        if a peer died, the failure is logged as a warning, not raised.
         """
+        if not self.distributed:
+            return
+        try:
+            dist.barrier(group=self.control_group)
+        except RuntimeError as err:  # DistError and gloo timeouts derive from RuntimeError
+            logger.warning("rank %d: not every rank reached the end (%s)", self.rank, str(err).splitlines()[0])
+
+    def close(self) -> None:
+        """:meth:`wait_for_all`, then destroy the default process group (and with it the control
+        group) when :func:`init_distributed` created it; a group the caller created is left alone."""
+        self.wait_for_all()
         if self.owns_group and dist.is_initialized():
-            try:
-                dist.barrier(group=self.control_group)
-            except RuntimeError as err:  # DistError and gloo timeouts derive from RuntimeError
-                logger.warning("rank %d: not every rank reached the end (%s)", self.rank, str(err).splitlines()[0])
             dist.destroy_process_group()
             self.owns_group = False
 
