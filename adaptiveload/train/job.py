@@ -284,6 +284,20 @@ def _failure_message(rows: np.ndarray, messages: list, step_index: int) -> str:
     return text
 
 
+def _warn_if_calibrated_otherwise(calibration: Calibration, settings: dict) -> None:
+    """Warn when a loaded calibration measured another model, depth or checkpointing than this run
+    (its cost and memory models, hence the plan, may not hold). Only calibrations written by
+    ``adaptiveload calibrate`` or a job are compared; the built-in ones describe their source in prose."""
+    if "backend" not in calibration.settings:
+        return
+    keys = ("model", "num_layers", "activation_checkpointing")
+    differ = [f"{k}: calibrated {calibration.settings[k]!r}, this run {settings[k]!r}"
+              for k in keys if k in calibration.settings and calibration.settings[k] != settings.get(k)]
+    if differ:
+        logger.warning("the calibration was measured on another setup (%s); its plan may not fit this run "
+                       "(recalibrate with adaptiveload calibrate, or leave --calibration out)", "; ".join(differ))
+
+
 def train_run(cfg: JobConfig, run: RunSpec, corpus, ctx: DistContext, calibration: Optional[Calibration],
               out_dir: str, report) -> tuple[dict, Calibration]:
     """Train one run; return its result dict and the calibration used.
@@ -314,6 +328,8 @@ def train_run(cfg: JobConfig, run: RunSpec, corpus, ctx: DistContext, calibratio
         calibration = ctx.broadcast_object(calibration)  # one fit, so every rank makes the same plan
         if ctx.is_main:  # saved at once: a resumed job plans from the same calibration
             calibration.save(os.path.join(cfg.out, CALIBRATION_FILE))
+    elif ctx.is_main:
+        _warn_if_calibrated_otherwise(calibration, settings)
     plan = resolve_plan(cfg, corpus, calibration, ctx, run.policy)
     sampler = make_sampler(run.sampler, plan, corpus, ctx, cfg.seed, run.policy)
     failure = _warm_up(step, spec, sampler, ctx)  # before a resume loads optimizer state (frozen_weights clears it)

@@ -145,7 +145,6 @@ def load_model(
     preset: Optional[str] = None,
     factory: Optional[str] = None,
     num_layers: Optional[int] = None,
-    activation_checkpointing: bool = False,
 ) -> nn.Module:
     """Build the model to train: a reference preset, or the user's ``MODULE:FACTORY``.
 
@@ -155,7 +154,7 @@ def load_model(
             return an ``nn.Module`` called as ``model(latents, timestep, context)`` with a ``config``
             (see :class:`InputSpec`).
         num_layers: keep only this many transformer blocks (presets only; e.g. a 10-layer cut).
-        activation_checkpointing: checkpoint every block (presets; a custom model configures itself).
+            Activation checkpointing is the step's (``StepConfig.activation_checkpointing``).
 
     Raises:
         ValueError: unknown preset (lists them), a malformed or unimportable factory, a factory that
@@ -183,7 +182,7 @@ def load_model(
         if num_layers < 1:
             raise ValueError(f"--num-layers must be >= 1, got {num_layers}")
         config = dataclasses.replace(config, num_layers=num_layers)
-    return build_model(config, activation_checkpointing=activation_checkpointing)
+    return build_model(config)
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -226,6 +225,10 @@ def checkpoint_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
     then fail, the recomputation recompiles a different graph, and torch.utils.checkpoint raises
     CheckpointError (different saved tensors). So the model's own switch is turned off here. FSDP2's
     hooks stay outside the checkpoint, as torchtitan orders them (checkpoint, compile, shard).
+
+    ``block.forward`` is replaced in place (one :class:`TrainStep` per model instance). A model
+    without ``set_activation_checkpointing`` keeps whatever checkpointing it does itself (e.g.
+    diffusers' ``enable_gradient_checkpointing()`` on a raw diffusers model): turn that off.
 
     Args:
         model: the whole model; its ``set_activation_checkpointing(bool)`` is used when it has no blocks.

@@ -1,7 +1,9 @@
 """The ``adaptiveload train`` job end to end: the CPU default run (short), two ranks under torchrun,
 kill-and-resume, an out-of-memory bucket on one rank, and bad input."""
 import json
+import logging
 import math
+import os
 
 import numpy as np
 import pytest
@@ -218,3 +220,24 @@ def test_warm_up_batches_cover_every_size_class_at_both_ends():
         (1, (1, 4, 4)), (2, (1, 4, 4)), (1, (3, 4, 4)), (1, (1, 8, 8)), (8, (1, 4, 4)), (2, (2, 8, 8)), (1, (5, 8, 8))]
     # no bucket takes two samples: B = 1 only
     assert warm_up_batches(keys, np.ones(5, dtype=int)) == [(1, (1, 4, 4)), (1, (3, 4, 4)), (1, (1, 8, 8)), (1, (5, 8, 8))]
+
+
+def test_a_calibration_of_another_setup_is_warned_about(caplog):
+    """A loaded calibration whose model, depth or checkpointing differ from the run's: one warning
+    naming each difference; the built-in calibrations (prose settings) are not compared."""
+    from adaptiveload.sched.presets import load_calibration
+    from adaptiveload.train.job import _warn_if_calibrated_otherwise
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    calibration = load_calibration(os.path.join(repo, "benchmarks/results/train_h200/calib_ckpt.json"))
+    run = {"model": "tiny", "num_layers": 2, "activation_checkpointing": False}
+    with caplog.at_level(logging.WARNING, logger="adaptiveload.train"):
+        _warn_if_calibrated_otherwise(calibration, run)
+    (record,) = caplog.records
+    for text in ("model: calibrated 'wan2.1-1.3b', this run 'tiny'", "num_layers: calibrated 10, this run 2",
+                 "activation_checkpointing: calibrated True, this run False"):
+        assert text in record.getMessage()
+    caplog.clear()
+    _warn_if_calibrated_otherwise(calibration, dict(calibration.settings))  # the same setup: silent
+    _warn_if_calibrated_otherwise(load_calibration("anchors-wan1.3b"), run)  # built-in
+    assert not caplog.records
