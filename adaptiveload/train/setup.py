@@ -76,19 +76,16 @@ def bucket_shapes(corpus: Manifest) -> np.ndarray:
 def resolve_activation_checkpointing(mode: str, model: torch.nn.Module, max_seq_len: int, device: torch.device) -> bool:
     """Decide activation checkpointing (``"on"``, ``"off"``, ``"auto"``; the rule is in the module docstring).
 
-    The step applies it (:func:`~adaptiveload.train.step.checkpoint_blocks`).
+    The step applies it (:func:`~adaptiveload.train.step.checkpoint_blocks`, which also rejects
+    ``"on"`` for a model it cannot checkpoint); ``"auto"`` is off for such a model.
 
     Raises:
-        ValueError: an unknown mode, or ``"on"`` for a model with neither a list of blocks nor
-            ``set_activation_checkpointing``.
+        ValueError: an unknown mode.
     """
     if mode not in CHECKPOINT_MODES:
         raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose one of {', '.join(CHECKPOINT_MODES)}")
-    can = bool(transformer_blocks(model)) or hasattr(model, "set_activation_checkpointing")
-    if mode == "on" and not can:
-        raise ValueError(f"model {type(model).__name__} has no list of blocks and no set_activation_checkpointing(); "
-                         "configure checkpointing in the factory")
     if mode == "auto":
+        can = bool(transformer_blocks(model)) or hasattr(model, "set_activation_checkpointing")
         config = getattr(model, "config", None)
         if device.type != "cuda" or not can or config is None or not hasattr(config, "dim"):
             return False
@@ -131,8 +128,8 @@ def build_step(
     """Build the model with the same initial weights on every rank (seeded), then the training step.
 
     Raises:
-        ValueError: as :func:`~adaptiveload.train.step.load_model` and
-            :func:`resolve_activation_checkpointing`.
+        ValueError: as :func:`~adaptiveload.train.step.load_model`,
+            :func:`resolve_activation_checkpointing` and :func:`~adaptiveload.train.step.checkpoint_blocks`.
     """
     torch.manual_seed(seed)
     model = load_model(preset=preset, factory=factory, num_layers=num_layers)

@@ -5,6 +5,7 @@ import textwrap
 
 import pytest
 import torch
+from torch import nn
 
 from adaptiveload.train.data import Batch, LatentDataset, collate, synthetic_batch
 from adaptiveload.train.distributed import DistContext
@@ -158,6 +159,14 @@ def test_activation_checkpointing_saves_no_tensor_inside_the_blocks():
     inside = sum(per_block)
     assert inside > 0 and len(per_block) == 2 * len(model.blocks)
     assert saved[True] == saved[False] - inside + 5 * len(model.blocks)
+
+
+def test_activation_checkpointing_of_a_model_it_cannot_checkpoint_is_refused():
+    """No list of blocks and no set_activation_checkpointing(): checkpointing on is a ValueError
+    naming the model."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="model Sequential has no list of blocks and no set_activation_checkpointing"):
+        TrainStep(model, StepConfig(backend="eager", activation_checkpointing=True), DistContext())
 
 
 def test_new_bucket_shapes_reuse_the_graphs_of_their_size_class():
