@@ -58,14 +58,13 @@ fi
 export CUDA_VISIBLE_DEVICES=0
 if want sweep; then
   python3 - >"$OUT/sweep.log" 2>&1 <<'PY'
-import os, torch, triton.testing as tt
+import os, sys, torch, triton.testing as tt
 import adaptiveload  # noqa: F401
+sys.path.insert(0, "benchmarks")
+from bench_adaln import copy_bandwidth
 os.environ["ADAPTIVELOAD_REQUIRE_KERNEL"] = "1"
 op, bwd = torch.ops.adaptiveload.adaln_modulate, torch.ops.adaptiveload.adaln_modulate_backward
-bw = 4.25e12
-a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
-ms = tt.do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median"); bw = 2 * (1 << 30) / (ms * 1e-3)
-del a, b
+bw = copy_bandwidth(tt)
 print(f"copy {bw / 1e12:.2f} TB/s")
 for (B, N, D, pt) in [(1, 65536, 1536, False), (1, 65536, 3072, False), (1, 65536, 5120, False),
                       (1, 16384, 3072, True)]:
@@ -93,13 +92,13 @@ PY
 fi
 if want ring; then
   python3 - >"$OUT/ring.log" 2>&1 <<'PY'
-import os, torch, triton.testing as tt
+import os, sys, torch, triton.testing as tt
 import adaptiveload  # noqa: F401
+sys.path.insert(0, "benchmarks")
+from bench_adaln import copy_bandwidth
 os.environ["ADAPTIVELOAD_REQUIRE_KERNEL"] = "1"
 op, bwd = torch.ops.adaptiveload.adaln_modulate, torch.ops.adaptiveload.adaln_modulate_backward
-a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
-bw = 2 * (1 << 30) / (tt.do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median") * 1e-3)
-del a, b
+bw = copy_bandwidth(tt)
 print(f"copy {bw / 1e12:.2f} TB/s")
 for B in (1, 2):
     for D in (1536, 3072, 5120):
