@@ -117,7 +117,7 @@ def _calibrate_and_write(args, ctx, preset, factory) -> int:
     from adaptiveload.train.calibrate import calibrate, calibration_grid
     from adaptiveload.train.job import default_inner
     from adaptiveload.train.setup import (bucket_shapes, build_step, default_downscale, device_description,
-                                         device_memory_bytes, load_corpus)
+                                         load_corpus, step_settings)
     from adaptiveload.train.step import StepConfig
 
     downscale = args.downscale if args.downscale is not None else default_downscale(ctx.device)
@@ -131,12 +131,8 @@ def _calibrate_and_write(args, ctx, preset, factory) -> int:
                                   max_seq_len=int(corpus.seq_lens.max()), seed=args.seed)
     run = calibrate(step, spec, grid, patch_size=corpus.patch_size, warmup=args.warmup, repeats=args.repeats,
                     seed=args.seed)
-    settings = {"model": info.name, "num_layers": info.num_layers, "backend": step_config.describe(),
-                "activation_checkpointing": info.activation_checkpointing, "world_size": ctx.world_size,
-                "dtype": "bfloat16 autocast" if ctx.device.type == "cuda" else "float32", "optimizer": "AdamW",
-                "warmup": args.warmup, "repeats": args.repeats, "corpus": corpus.source, "downscale": downscale}
-    if ctx.device.type == "cuda":
-        settings["device_memory_bytes"] = device_memory_bytes(ctx.device)
+    settings = {**step_settings(info, step_config, ctx, corpus), "warmup": args.warmup, "repeats": args.repeats,
+                "downscale": downscale}
     if not ctx.is_main:
         return 1 if run.aborted else 0
     ok = sum(p["status"] == "ok" for p in run.points)

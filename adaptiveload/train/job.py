@@ -51,7 +51,7 @@ from adaptiveload.train.data import Batch, LatentDataset, collate, synthetic_bat
 from adaptiveload.train.distributed import DistContext
 from adaptiveload.train.metrics import busy_time_s, load_balance, summarize
 from adaptiveload.train.setup import (bucket_shapes, build_step, default_downscale, device_description,
-                                     device_memory_bytes, load_corpus)
+                                     device_memory_bytes, load_corpus, step_settings)
 from adaptiveload.train.step import NonFiniteStep, StepConfig, TrainStep
 
 logger = logging.getLogger("adaptiveload.train")
@@ -317,12 +317,7 @@ def train_run(cfg: JobConfig, run: RunSpec, corpus, ctx: DistContext, calibratio
     clear_reports()  # fusion reports of this run only
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compile_start = time.perf_counter()
-    settings = {"model": info.name, "num_layers": info.num_layers, "backend": step_config.describe(),
-                "activation_checkpointing": info.activation_checkpointing, "world_size": ctx.world_size,
-                "dtype": "bfloat16 autocast" if ctx.device.type == "cuda" else "float32",
-                "optimizer": "AdamW", "corpus": corpus.source}
-    if ctx.device.type == "cuda":
-        settings["device_memory_bytes"] = device_memory_bytes(ctx.device)
+    settings = step_settings(info, step_config, ctx, corpus)
     if calibration is None:
         calibration = quick_calibration(step, spec, bucket_shapes(corpus), corpus.patch_size, ctx, settings, progress)
         calibration = ctx.broadcast_object(calibration)  # one fit, so every rank makes the same plan

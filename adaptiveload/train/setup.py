@@ -146,6 +146,19 @@ def build_step(
     return TrainStep(model, step_config, ctx), spec, info
 
 
+def step_settings(info: ModelInfo, step_config: StepConfig, ctx: DistContext, corpus: Manifest) -> dict:
+    """How a step is measured, for a calibration's ``settings``: model, depth, backend, activation
+    checkpointing, world size, dtype, optimizer and corpus, plus the device's memory in bytes on CUDA
+    (:func:`~adaptiveload.sched.plan.make_plan` reads it)."""
+    settings = {"model": info.name, "num_layers": info.num_layers, "backend": step_config.describe(),
+                "activation_checkpointing": info.activation_checkpointing, "world_size": ctx.world_size,
+                "dtype": "bfloat16 autocast" if ctx.device.type == "cuda" else "float32", "optimizer": "AdamW",
+                "corpus": corpus.source}
+    if ctx.device.type == "cuda":
+        settings["device_memory_bytes"] = device_memory_bytes(ctx.device)
+    return settings
+
+
 def device_description(device: torch.device) -> str:
     """``"NVIDIA H200"`` or ``"cpu"``."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
