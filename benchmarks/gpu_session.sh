@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One lent-GPU session for the fused op (see /work/.library/device): install, build the kernels,
-# then the GPU tests (on the second GPU), the sanitizer and the benchmark (on the first), writing
-# logs and results under $OUT. Stages are arguments, run in this order:
+# then the GPU tests and the sanitizer (on the second GPU, alongside the benchmark on the first; one
+# after the other on a one-GPU machine), writing logs and results under $OUT. Stages, run in this order:
 #   build      adaptiveload build (always done first when any other stage is given)
-#   tests      pytest -m cuda tests/ops on GPU 1 (in the background while the benchmark runs)
-#   sanitize   benchmarks/sanitize.sh on GPU 1 after the tests
+#   tests      pytest -m cuda tests/ops on GPU 1 (in the background while the benchmark runs; first, on GPU 0,
+#              where there is one GPU)
+#   sanitize   benchmarks/sanitize.sh after the tests, on the same GPU
 #   sweep      op-only timings over thread caps (ADAPTIVELOAD_MAX_THREADS) on GPU 0
 #   bench-quick / bench   benchmarks/bench_adaln.py on GPU 0 (a subset / the full grid)
 #   ring       forward and backward timings of the shared-memory row rings (ADAPTIVELOAD_FWD_STAGES /
@@ -35,9 +36,10 @@ rc=$?
 echo "build: exit $rc in $(( $(date +%s) - t0 )) s; cache $(tail -1 "$OUT/build.log")"
 if [[ $rc -ne 0 ]]; then grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; fi
 
+NGPU=$(nvidia-smi -L | wc -l)
 if want tests || want sanitize; then
   (
-    export CUDA_VISIBLE_DEVICES=1
+    export CUDA_VISIBLE_DEVICES=$(( NGPU > 1 ? 1 : 0 ))
     if want tests; then
       # the fixed-shape tests first, then the hypothesis property test (its shrinking can be slow)
       timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/ops -m cuda -q -p no:cacheprovider --durations=10 \
@@ -53,6 +55,7 @@ if want tests || want sanitize; then
     fi
   ) &
   side=$!
+  if (( NGPU < 2 )); then wait "$side"; fi
 fi
 
 export CUDA_VISIBLE_DEVICES=0
