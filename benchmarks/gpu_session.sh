@@ -121,6 +121,18 @@ for B in (1, 2):
                 cells.append(f"{stages}: {ms:.3f} ms ({100 * sol / ms:.0f}%)")
             os.environ[var] = "0"
             print(f"B={B} D={D} {name}: " + "; ".join(cells), flush=True)
+for D in (1536, 3072, 5120):  # per-token scale and shift (bf16 rows of a [B, N, 2D] chunk): 4 x-sized moves
+    x = torch.randn(1, 65536, D, device="cuda", dtype=torch.bfloat16)
+    s, h = (0.1 * torch.randn(1, 65536, 2 * D, device="cuda", dtype=torch.bfloat16)).chunk(2, -1)
+    sol = 4 * x.numel() * 2 / bw * 1e3
+    cells = []
+    for stages in ("0", "auto", "2", "4"):
+        os.environ["ADAPTIVELOAD_FWD_STAGES"] = stages
+        ms = tt.do_bench(lambda: op(x, None, None, s, h, 1e-6, torch.bfloat16), warmup=25, rep=100,
+                         return_mode="median")
+        cells.append(f"{stages}: {ms:.3f} ms ({100 * sol / ms:.0f}%)")
+    os.environ["ADAPTIVELOAD_FWD_STAGES"] = "0"
+    print(f"B=1 D={D} per-token fwd: " + "; ".join(cells), flush=True)
 PY
   echo "ring: exit $?"; cat "$OUT/ring.log"
 fi

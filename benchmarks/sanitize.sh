@@ -33,7 +33,7 @@ for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
     design = ("one_pass", "two_kernel")[i % 2]
     os.environ["ADAPTIVELOAD_BWD"] = design
     # the shared-memory rings where the case allows them (aligned, per-sample/shared; backward: <= 2 chunks)
-    os.environ["ADAPTIVELOAD_FWD_STAGES"] = ("auto", "0", "2", "0", "0", "3", "auto")[i]
+    os.environ["ADAPTIVELOAD_FWD_STAGES"] = ("auto", "auto", "2", "0", "0", "3", "auto")[i]
     os.environ["ADAPTIVELOAD_BWD_STAGES"] = ("auto", "0", "3", "0", "0", "0", "0")[i]
     x = torch.randn(B, N, D, device="cuda", generator=g).to(xdt)
     if layout == "strided":

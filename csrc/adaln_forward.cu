@@ -11,11 +11,12 @@
 // the values already in registers): no cancellation, no second read of x. (A one-barrier variant
 // merging per-thread statistics with Chan's update measured 1.5-2x slower: KERNEL_NOTES.md, v3.)
 //
-// RING (sm_90; per-sample or shared modulation; aligned rows): rows come through a ring of
-// a.stages row buffers in shared memory instead of the register prefetch, filled by bulk copies
-// that thread 0 issues a.stages rows ahead; the copy engine keeps a.stages - 1 rows per block in
-// flight without registers (Little's law asks for ~26 KB per SM: KERNEL_NOTES.md, v6). A slot is
-// refilled right after the first block reduction of its row, when every thread holds the row in
+// RING (sm_90; aligned rows): rows come through a ring of a.stages slots in shared memory instead
+// of the register prefetch, filled by bulk copies that thread 0 issues a.stages rows ahead; the
+// copy engine keeps a.stages - 1 rows per block in flight without registers (Little's law asks for
+// ~26 KB per SM: KERNEL_NOTES.md, v6). With per-token modulation (PT) a slot also holds the row's
+// scale and/or shift rows (mod_rows), counted on the same mbarrier. A slot is refilled right after
+// the first block reduction of its row, when every thread holds the row (and its modulation) in
 // registers. Same arithmetic and rounding either way.
 #include <type_traits>
 
@@ -25,7 +26,6 @@ namespace adaln {
 
 template <typename Tx, typename Tm, typename To, int C, bool PT, bool RING>
 __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64_t tiles, int64_t rows_per_tile) {
-  static_assert(!(PT && RING), "the ring takes per-sample or shared modulation only");
   constexpr int VEC = 16 / sizeof(Tx);
   __shared__ float red[2 * 1 * 32];
   __shared__ __align__(8) uint64_t full[RING ? kMaxStages : 1];
@@ -40,21 +40,28 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   To* __restrict__ y = static_cast<To*>(a.y);
   const Tm* __restrict__ sc = static_cast<const Tm*>(a.scale.ptr) + b * a.scale.sb;
   const Tm* __restrict__ sh = a.shift.ptr ? static_cast<const Tm*>(a.shift.ptr) + b * a.shift.sb : nullptr;
-  // Per-row modulation loads (PT only): scale when it is per-token; shift when it is per-token,
-  // or when scale is (then shift cannot be folded into beta before the multiplication).
-  const bool s_row = PT && a.scale.sn != 0;
-  const bool h_row = PT && sh != nullptr && (a.shift.sn != 0 || s_row);
+  // Per-row modulation loads (PT only), see mod_rows.
+  const ModRows mr = mod_rows(a);
+  const bool s_row = PT && mr.scale;
+  const bool h_row = PT && mr.shift;
 
   extern __shared__ float4 coef_smem[];
   const CoefRow<VEC> alpha{coef_smem}, beta{coef_smem + C * (VEC / 4) * T};
   const int S = a.stages;
   const uint32_t row_bytes = static_cast<uint32_t>(D) * sizeof(Tx);
-  const size_t stride = ring_stride(D, sizeof(Tx));
+  const uint32_t mod_bytes = static_cast<uint32_t>(D) * sizeof(Tm);
+  const size_t x_stride = ring_stride(D, sizeof(Tx)), m_stride = ring_stride(D, sizeof(Tm));
+  // slot layout: x row | scale row (s_row) | shift row (h_row)
+  const size_t stride = x_stride + (PT ? mr.count() : 0) * m_stride;
+  const size_t h_off = x_stride + (s_row ? m_stride : 0);
   char* ring = reinterpret_cast<char*>(coef_smem + 2 * C * (VEC / 4) * T);
-  auto fetch = [&](int slot, int64_t n) {  // thread 0: row n into a ring slot
+  auto fetch = [&](int slot, int64_t n) {  // thread 0: row n (and its modulation rows) into a ring slot
+    char* dst = ring + slot * stride;
     async_proxy_fence();
-    mbar_expect(&full[slot], row_bytes);
-    bulk_copy(ring + slot * stride, x + (b * a.N + n) * static_cast<int64_t>(D), row_bytes, &full[slot]);
+    mbar_expect(&full[slot], row_bytes + (s_row ? mod_bytes : 0u) + (h_row ? mod_bytes : 0u));
+    bulk_copy(dst, x + (b * a.N + n) * static_cast<int64_t>(D), row_bytes, &full[slot]);
+    if (s_row) bulk_copy(dst + x_stride, sc + n * a.scale.sn, mod_bytes, &full[slot]);
+    if (h_row) bulk_copy(dst + h_off, sh + n * a.shift.sn, mod_bytes, &full[slot]);
   };
   if constexpr (RING) {
     if (tid == 0) mbar_init(full, S);
@@ -130,13 +137,16 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
     }
 
     Raw<Tm, VEC> sr[C], hr[C];
-    if constexpr (PT) {  // issued before the reductions so their latency overlaps them
+    if constexpr (PT) {  // issued before the reductions so their latency overlaps them (and, with
+                         // the ring, read before the slot is refilled)
+      const Tm* srow = RING ? reinterpret_cast<const Tm*>(ring + slot * stride + x_stride) : sc + n * a.scale.sn;
+      const Tm* hrow = RING ? reinterpret_cast<const Tm*>(ring + slot * stride + h_off) : sh + n * a.shift.sn;
 #pragma unroll
       for (int c = 0; c < C; ++c) {
         const int col = (c * T + tid) * VEC;
         if (col < D) {
-          if (s_row) sr[c] = load_raw<Tm, VEC>(sc + n * a.scale.sn, col, D, al);
-          if (h_row) hr[c] = load_raw<Tm, VEC>(sh + n * a.shift.sn, col, D, al);
+          if (s_row) sr[c] = load_raw<Tm, VEC>(srow, col, D, RING || al);
+          if (h_row) hr[c] = load_raw<Tm, VEC>(hrow, col, D, RING || al);
         }
       }
     }
@@ -242,29 +252,40 @@ int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_by
   return stages >= 2 ? stages : 0;
 }
 
+// Chunks a thread up to which the forward takes the ring: ptxas sm_90 shows no spills up to 4 with
+// per-sample or shared modulation, and up to 2 with per-token rows (at 4: 128 registers, spills).
+constexpr int kRingChunks = 4;
+constexpr int kRingChunksPerToken = 2;
+
 template <typename Tx, typename Tm, typename To>
 void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
   FwdArgs a = a0;
   const RowShape rs = row_shape(a.D, a.xt, a.max_threads);
   const bool pt = a.scale.sn != 0 || (a.shift.ptr && a.shift.sn != 0);
   const size_t coef = coef_smem_bytes(2, rs.chunks, rs.threads, a.xt);
-  const size_t stride = ring_stride(a.D, sizeof(Tx));
+  const size_t slot = ring_stride(a.D, sizeof(Tx)) + (pt ? mod_rows(a).count() : 0) * ring_stride(a.D, sizeof(Tm));
   auto go = [&](auto kernel, int stages) {
     a.stages = stages;
-    const size_t smem = coef + stages * stride;
+    const size_t smem = coef + stages * slot;
     int64_t tiles, rpt;
     one_wave(kernel, rs.threads, smem, a.B, a.N, tiles, rpt);
     kernel<<<static_cast<unsigned>(a.B * tiles), rs.threads, smem, stream>>>(a, tiles, rpt);
   };
-  auto pick = [&](auto chunks) {  // per-token, ring (up to 4 chunks a thread: no spills), or register prefetch
+  auto try_ring = [&](auto kernel) {
+    const int stages = ring_stages(a0.stages, a.aligned, coef, slot, reinterpret_cast<const void*>(kernel));
+    if (stages > 0) go(kernel, stages);
+    return stages > 0;
+  };
+  auto pick = [&](auto chunks) {  // the ring where it compiles without spills, else the register prefetch
     constexpr int kC = decltype(chunks)::value;
-    if (pt) return go(fwd_kernel<Tx, Tm, To, kC, true, false>, 0);
-    if constexpr (kC <= 4) {
-      auto ring = fwd_kernel<Tx, Tm, To, kC, false, true>;
-      const int stages = ring_stages(a0.stages, a.aligned, coef, stride, reinterpret_cast<const void*>(ring));
-      if (stages > 0) return go(ring, stages);
+    if constexpr (kC <= kRingChunksPerToken) {
+      if (pt && try_ring(fwd_kernel<Tx, Tm, To, kC, true, true>)) return;
     }
-    go(fwd_kernel<Tx, Tm, To, kC, false, false>, 0);
+    if constexpr (kC <= kRingChunks) {
+      if (!pt && try_ring(fwd_kernel<Tx, Tm, To, kC, false, true>)) return;
+    }
+    if (pt) go(fwd_kernel<Tx, Tm, To, kC, true, false>, 0);
+    else go(fwd_kernel<Tx, Tm, To, kC, false, false>, 0);
   };
   switch (rs.chunks) {
     case 1: pick(std::integral_constant<int, 1>{}); break;

@@ -29,7 +29,8 @@ enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 constexpr int kMaxChunks = 8;
 constexpr int kMaxThreads = 512;
 constexpr int kMaxFeatures = 16384;
-// The forward's shared-memory row ring (sm_90 bulk copies) holds at most kMaxStages rows.
+// The forward's shared-memory row ring (sm_90 bulk copies) holds at most kMaxStages slots (a slot:
+// an x row, plus its per-token modulation rows when there are any).
 constexpr int kMaxStages = 8;
 
 struct ModView {
@@ -291,6 +292,17 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 // Bytes between ring slots: a row rounded up to 128 bytes.
 __host__ __device__ inline size_t ring_stride(int D, int elem_bytes) {
   return (static_cast<size_t>(D) * elem_bytes + 127) / 128 * 128;
+}
+
+// Per-token modulation rows the forward reads for each x row: scale when it is per-token; shift
+// when it is per-token, or when scale is (then shift cannot be folded into the per-column beta).
+struct ModRows {
+  bool scale, shift;
+  __host__ __device__ int count() const { return static_cast<int>(scale) + static_cast<int>(shift); }
+};
+__host__ __device__ inline ModRows mod_rows(const FwdArgs& a) {
+  const bool s = a.scale.sn != 0;
+  return {s, a.shift.ptr != nullptr && (a.shift.sn != 0 || s)};
 }
 
 // Sum NV values over the whole block; every thread gets the totals. Deterministic: a fixed

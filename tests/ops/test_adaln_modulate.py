@@ -387,36 +387,49 @@ needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatch, stages):
     """The shared-memory row ring (sm_90 bulk copies) runs the same arithmetic as the register
     forward: identical y, mean and rstd, for rows that fill the ring or not (N < stages), tiles of
-    uneven length, every x dtype, fp32 or x-dtype modulation, affine or not, strided chunks; layouts
-    the ring does not take (per-token) fall back to the register forward."""
+    uneven length, every x dtype, fp32 or x-dtype modulation, affine or not, strided chunks, and
+    per-token scale and/or shift rows (copied into the slot beside their x row); unaligned rows and
+    per-token rows beyond 2 chunks a thread fall back to the register forward."""
     gen = torch.Generator(device="cuda").manual_seed(21)
-    cases = [(1, 1, 1536, torch.bfloat16), (3, 7, 3072, torch.bfloat16), (2, 4099, 5120, torch.bfloat16),
-             (1, 65536, 1536, torch.bfloat16), (2, 333, 8, torch.float16), (1, 1000, 16384, torch.bfloat16),
-             (2, 129, 1000, torch.float32), (1, 77, 4096, torch.float32)]
-    for i, (B, N, D, dtype) in enumerate(cases):
+    cases = [  # (B, N, D, x dtype, modulation layout); per-token D <= 8192 (16-bit x) takes the ring
+        (1, 1, 1536, torch.bfloat16, "per-sample"), (3, 7, 3072, torch.bfloat16, "per-sample"),
+        (2, 4099, 5120, torch.bfloat16, "per-sample"), (1, 65536, 1536, torch.bfloat16, "per-sample"),
+        (2, 333, 8, torch.float16, "per-token-scale"), (1, 1000, 16384, torch.bfloat16, "per-sample"),
+        (2, 129, 1000, torch.float32, "per-sample"), (1, 77, 4096, torch.float32, "per-sample"),
+        (2, 517, 3072, torch.bfloat16, "per-token-both"), (1, 3, 5120, torch.bfloat16, "per-token-shift"),
+        (3, 1025, 1536, torch.float16, "per-token-both"), (1, 64, 16384, torch.bfloat16, "per-token-both"),
+        (2, 50, 1001, torch.bfloat16, "per-token-both")]
+    for i, (B, N, D, dtype, layout) in enumerate(cases):
         mod_dtype = torch.float32 if i % 2 else dtype
         x = torch.randn(B, N, D, device="cuda", generator=gen).to(dtype)
-        scale, shift, _ = (0.2 * torch.randn(B, 3 * D, device="cuda", generator=gen)).to(mod_dtype).chunk(3, -1)
         affine = i % 3 != 1
         w = torch.randn(D, device="cuda", generator=gen).to(dtype) if affine else None
         b = torch.randn(D, device="cuda", generator=gen).to(dtype) if affine else None
-        per_token = i == 4
-        mods = ((scale.unsqueeze(1).expand(B, N, D).contiguous(), shift.unsqueeze(1)) if per_token
-                else (scale.unsqueeze(1), shift.unsqueeze(1)))
+        per_sample = [t.unsqueeze(1) for t in
+                      (0.2 * torch.randn(B, 3 * D, device="cuda", generator=gen)).to(mod_dtype).chunk(3, -1)[:2]]
+        per_token = (0.2 * torch.randn(B, N, 3 * D, device="cuda", generator=gen)).to(mod_dtype).chunk(3, -1)[:2]
+        mods = {"per-sample": per_sample,
+                "per-token-scale": (per_token[0].contiguous(), per_sample[1]),
+                "per-token-shift": (per_sample[0], per_token[1]),
+                "per-token-both": per_token}[layout]  # per-token-both: strided chunks of [B, N, 3D]
         outputs, launched = {}, {}
         for setting in ("0", stages):
             monkeypatch.setenv("ADAPTIVELOAD_FWD_STAGES", setting)
             outputs[setting] = torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype)
             launched[setting] = _adaln_kernels_launched(
                 lambda: torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype))
-        where = f"B={B} N={N} D={D} {dtype} stages={stages}"
-        # the ring is another kernel instantiation; per-token modulation keeps the register forward
-        assert (launched["0"] == launched[stages]) == per_token, (where, launched)
+        where = f"B={B} N={N} D={D} {dtype} {layout} modulation {mod_dtype} stages={stages}"
+        vec = 4 if dtype == torch.float32 else 8
+        chunks_ok = layout == "per-sample" or D <= 1024 * vec  # per-token: up to 2 chunks of 512 threads
+        takes_ring = D % vec == 0 and chunks_ok
+        # the ring is another kernel instantiation
+        assert (launched["0"] != launched[stages]) == takes_ring, (where, launched)
         for name, ref, got in zip(("y", "mean", "rstd"), outputs["0"], outputs[stages]):
             assert torch.equal(ref, got), f"{name} differs at {where}"
     # and the ring itself against float64 (the environment still selects it)
     check_against_float64((2, 4099, 5120), torch.bfloat16, "strided-per-sample", "per-sample", True, "cuda", 5,
                           mod_fp32=True)
+    check_against_float64((2, 777, 3072), torch.bfloat16, "per-token", "per-token", True, "cuda", 7, mod_fp32=True)
 
 
 @pytest.mark.cuda
