@@ -68,13 +68,8 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
     bulk_copy(ring + slot * stride, x + off, static_cast<uint32_t>(D * sizeof(Tx)), &full[slot]);
     bulk_copy(ring + slot * stride + x_bytes, dy + off, static_cast<uint32_t>(D * sizeof(Tdy)), &full[slot]);
   };
-  if constexpr (RING) {
-    if (tid == 0) mbar_init(full, S);
-    __syncthreads();
-    if (tid == 0) {
-      for (int i = 0; i < S && n0 + i < n1; ++i) fetch(i, n0 + i);
-    }
-  }
+  RingCursor cur{full, S};
+  if constexpr (RING) cur.start(n0, n1, fetch);
   float p0[C][VEC], p1[C][VEC], p2[C][VEC];
 #pragma unroll
   for (int c = 0; c < C; ++c) {
@@ -108,27 +103,12 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
     nrstd = a.rstd[b * a.N + n];
     if constexpr (RING) return;
     const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int col = (c * T + tid) * VEC;
-      if (col < D) {
-        nx[c] = load_raw<Tx, VEC>(x + off, col, D, al);
-        ndy[c] = load_raw<Tdy, VEC>(dy + off, col, D, al);
-        if (SPT) ns[c] = load_raw<Tm, VEC>(sc + n * a.scale.sn, col, D, al);
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) nx[c].v[j] = from_f<Tx>(0.f), ndy[c].v[j] = from_f<Tdy>(0.f);
-        if (SPT) {
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) ns[c].v[j] = from_f<Tm>(0.f);
-        }
-      }
-    }
+    load_chunks(x + off, D, T, tid, al, nx);
+    load_chunks(dy + off, D, T, tid, al, ndy);
+    if constexpr (SPT) load_chunks(sc + n * a.scale.sn, D, T, tid, al, ns);
   };
   load_row(n0);
 
-  int slot = 0;  // RING: the slot of row n, and the parity of its use ((n - n0) / S) & 1
-  uint32_t phase = 0;
   for (int64_t n = n0; n < n1; ++n) {
     // The current row stays in its storage type (half the registers of fp32 for 16-bit types);
     // x_hat and g are recomputed from it after the barrier instead of being held across it.
@@ -137,20 +117,9 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
     Raw<Tdy, VEC> cdy[C];
     Raw<Tm, VEC> cs[C];
     if constexpr (RING) {
-      mbar_wait(&full[slot], phase);
-      const Tx* xrow = reinterpret_cast<const Tx*>(ring + slot * stride);
-      const Tdy* dyrow = reinterpret_cast<const Tdy*>(ring + slot * stride + x_bytes);
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-        const int col = (c * T + tid) * VEC;
-        if (col < D) {
-          cx[c] = load_raw<Tx, VEC>(xrow, col, D, true);
-          cdy[c] = load_raw<Tdy, VEC>(dyrow, col, D, true);
-        } else {
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) cx[c].v[j] = from_f<Tx>(0.f), cdy[c].v[j] = from_f<Tdy>(0.f);
-        }
-      }
+      cur.wait();
+      load_chunks(reinterpret_cast<const Tx*>(ring + cur.slot * stride), D, T, tid, true, cx);
+      load_chunks(reinterpret_cast<const Tdy*>(ring + cur.slot * stride + x_bytes), D, T, tid, true, cdy);
     } else {
 #pragma unroll
       for (int c = 0; c < C; ++c) {
@@ -200,10 +169,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
       }
     }
     block_sum<2>(sums, red, parity);
-    if constexpr (RING) {  // every thread holds the row in registers: refill the slot
-      if (tid == 0 && n + S < n1) fetch(slot, n + S);
-      if (++slot == S) slot = 0, phase ^= 1;
-    }
+    if constexpr (RING) cur.release(n, n1, fetch);  // every thread holds the row in registers
     const float mg = sums[0] * inv_d, mgx = sums[1] * inv_d;
 
 #pragma unroll

@@ -55,21 +55,17 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   const size_t stride = x_stride + (PT ? mr.count() : 0) * m_stride;
   const size_t h_off = x_stride + (s_row ? m_stride : 0);
   char* ring = reinterpret_cast<char*>(coef_smem + 2 * C * (VEC / 4) * T);
+  auto x_row = [&](int64_t n) { return x + (b * a.N + n) * static_cast<int64_t>(D); };
   auto fetch = [&](int slot, int64_t n) {  // thread 0: row n (and its modulation rows) into a ring slot
     char* dst = ring + slot * stride;
     async_proxy_fence();
     mbar_expect(&full[slot], row_bytes + (s_row ? mod_bytes : 0u) + (h_row ? mod_bytes : 0u));
-    bulk_copy(dst, x + (b * a.N + n) * static_cast<int64_t>(D), row_bytes, &full[slot]);
+    bulk_copy(dst, x_row(n), row_bytes, &full[slot]);
     if (s_row) bulk_copy(dst + x_stride, sc + n * a.scale.sn, mod_bytes, &full[slot]);
     if (h_row) bulk_copy(dst + h_off, sh + n * a.shift.sn, mod_bytes, &full[slot]);
   };
-  if constexpr (RING) {
-    if (tid == 0) mbar_init(full, S);
-    __syncthreads();
-    if (tid == 0) {
-      for (int i = 0; i < S && n0 + i < n1; ++i) fetch(i, n0 + i);
-    }
-  }
+  RingCursor cur{full, S};
+  if constexpr (RING) cur.start(n0, n1, fetch);
 #pragma unroll
   for (int c = 0; c < C; ++c) {  // (with the ring: while the first rows land)
     const int col = (c * T + tid) * VEC;
@@ -92,55 +88,30 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   }
 
   const float inv_d = 1.f / static_cast<float>(D);
-  Raw<Tx, VEC> nx[C];
-  auto load_row = [&](int64_t n, Raw<Tx, VEC>(&dst)[C]) {
-    const Tx* row = x + (b * a.N + n) * static_cast<int64_t>(D);
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int col = (c * T + tid) * VEC;
-      if (col < D) {
-        dst[c] = load_raw<Tx, VEC>(row, col, D, al);
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) dst[c].v[j] = from_f<Tx>(0.f);
-      }
-    }
-  };
-  if constexpr (!RING) load_row(n0, nx);
+  Raw<Tx, VEC> nx[C];  // register path: the next row, loaded while this one is reduced
+  if constexpr (!RING) load_chunks(x_row(n0), D, T, tid, al, nx);
 
-  int slot = 0;          // RING: the slot of row n, and the parity of its use ((n - n0) / S) & 1
-  uint32_t phase = 0;
   for (int64_t n = n0; n < n1; ++n) {
-    float xv[C][VEC];
+    Raw<Tx, VEC> rx[C];
     if constexpr (RING) {
-      mbar_wait(&full[slot], phase);
-      const Tx* row = reinterpret_cast<const Tx*>(ring + slot * stride);
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-        const int col = (c * T + tid) * VEC;
-        Raw<Tx, VEC> r;
-        if (col < D) {
-          r = load_raw<Tx, VEC>(row, col, D, true);
-        } else {
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) r.v[j] = from_f<Tx>(0.f);
-        }
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) xv[c][j] = to_f<Tx>(r.v[j]);
-      }
+      cur.wait();
+      load_chunks(reinterpret_cast<const Tx*>(ring + cur.slot * stride), D, T, tid, true, rx);
     } else {
 #pragma unroll
-      for (int c = 0; c < C; ++c)
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) xv[c][j] = to_f<Tx>(nx[c].v[j]);
-      if (n + 1 < n1) load_row(n + 1, nx);  // in flight while this row is reduced
+      for (int c = 0; c < C; ++c) rx[c] = nx[c];
+      if (n + 1 < n1) load_chunks(x_row(n + 1), D, T, tid, al, nx);
     }
+    float xv[C][VEC];
+#pragma unroll
+    for (int c = 0; c < C; ++c)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) xv[c][j] = to_f<Tx>(rx[c].v[j]);
 
     Raw<Tm, VEC> sr[C], hr[C];
     if constexpr (PT) {  // issued before the reductions so their latency overlaps them (and, with
                          // the ring, read before the slot is refilled)
-      const Tm* srow = RING ? reinterpret_cast<const Tm*>(ring + slot * stride + x_stride) : sc + n * a.scale.sn;
-      const Tm* hrow = RING ? reinterpret_cast<const Tm*>(ring + slot * stride + h_off) : sh + n * a.shift.sn;
+      const Tm* srow = RING ? reinterpret_cast<const Tm*>(ring + cur.slot * stride + x_stride) : sc + n * a.scale.sn;
+      const Tm* hrow = RING ? reinterpret_cast<const Tm*>(ring + cur.slot * stride + h_off) : sh + n * a.shift.sn;
 #pragma unroll
       for (int c = 0; c < C; ++c) {
         const int col = (c * T + tid) * VEC;
@@ -157,10 +128,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
 #pragma unroll
       for (int j = 0; j < VEC; ++j) sum[0] += xv[c][j];  // out-of-range elements are zero
     block_sum<1>(sum, red, parity);
-    if constexpr (RING) {  // every thread has read the slot: refill it
-      if (tid == 0 && n + S < n1) fetch(slot, n + S);
-      if (++slot == S) slot = 0, phase ^= 1;
-    }
+    if constexpr (RING) cur.release(n, n1, fetch);  // every thread has read the slot
     const float mean = sum[0] * inv_d;
 
     float sq[1] = {0.f};

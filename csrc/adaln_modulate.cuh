@@ -229,6 +229,23 @@ __device__ __forceinline__ void store_f(T* __restrict__ p, int col, int D, bool 
   }
 }
 
+// Thread `tid`'s C 16-byte groups of a row of D elements (groups tid, tid + threads, ...), zeros
+// past D.
+template <typename T, int VEC, int C>
+__device__ __forceinline__ void load_chunks(const T* __restrict__ row, int D, int threads, int tid, bool aligned,
+                                            Raw<T, VEC> (&dst)[C]) {
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int col = (c * threads + tid) * VEC;
+    if (col < D) {
+      dst[c] = load_raw<T, VEC>(row, col, D, aligned);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) dst[c].v[j] = from_f<T>(0.f);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Hopper bulk copies (sm_90+): one thread has the copy engine move a whole row from global to
 // shared memory (cp.async.bulk), its completion counted in bytes on an mbarrier that every thread
@@ -288,6 +305,35 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
 #endif
 }
+
+// Slot bookkeeping of a shared-memory row ring, for the forward and the backward row kernels:
+// `full` holds one mbarrier per slot; row n of a block's rows [n0, n1) sits in slot (n - n0) % S,
+// and its use of that slot has parity ((n - n0) / S) & 1. `fetch(slot, n)` (thread 0) issues the
+// bulk copies of row n into a slot.
+struct RingCursor {
+  uint64_t* full;
+  int S;
+  int slot = 0;
+  uint32_t phase = 0;
+  // Every thread: the barriers initialised, then thread 0 fetches the first S rows.
+  template <typename Fetch>
+  __device__ __forceinline__ void start(int64_t n0, int64_t n1, const Fetch& fetch) {
+    if (threadIdx.x == 0) mbar_init(full, S);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < S && n0 + i < n1; ++i) fetch(i, n0 + i);
+    }
+  }
+  // Every thread: wait until the current row has landed in its slot.
+  __device__ __forceinline__ void wait() const { mbar_wait(&full[slot], phase); }
+  // Every thread, after a block barrier that follows the last read of row n's slot: thread 0
+  // refills the slot with row n + S; then on to the next slot.
+  template <typename Fetch>
+  __device__ __forceinline__ void release(int64_t n, int64_t n1, const Fetch& fetch) {
+    if (threadIdx.x == 0 && n + S < n1) fetch(slot, n + S);
+    if (++slot == S) slot = 0, phase ^= 1;
+  }
+};
 
 // Bytes between ring slots: a row rounded up to 128 bytes.
 __host__ __device__ inline size_t ring_stride(int D, int elem_bytes) {
