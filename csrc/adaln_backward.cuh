@@ -22,14 +22,24 @@
 // a.stages slots in shared memory filled by bulk copies a.stages rows ahead (as the forward's RING),
 // instead of the one-row register prefetch; a slot is refilled after the row's block reduction.
 //
-// Two kernels (the reference design, ADAPTIVELOAD_BWD=two_kernel): the row kernel computes dx only,
-// and a column kernel over (d_tile, row tile, sample) re-reads x and dy for the partials: 5 x-sized
-// tensors move instead of 3.
+// Two kernels (the reference design, ADAPTIVELOAD_BWD=two_kernel; also taken for per-sample/shared
+// rows too wide for the ring, see kBwdRingElems): the row kernel computes dx only, and a column
+// kernel over (d_tile, row tile, sample) re-reads x and dy for the partials: 5 x-sized tensors move
+// instead of 3.
 #pragma once
 
 #include "adaln_modulate.cuh"
 
 namespace adaln {
+
+// The backward's ring takes rows of up to 16 elements a thread (2 chunks of 16-bit x, 4 of fp32):
+// ptxas sm_90 shows no spills there; at 32 (4 chunks of 16-bit x) the ring variant fell to 32 registers
+// and 2.4 KB of spills. Beyond it, the one-pass register kernel's column partials (3 floats an
+// element) spill too: 6% of SoL at bf16 D = 12288 / 16384 on the H200, so rows that wide and not on
+// the ring take the two-kernel design (a dx kernel, then a column kernel re-reading x and dy).
+constexpr int kBwdRingElems = 16;
+template <typename Tx>
+constexpr int bwd_ring_chunks() { return kBwdRingElems / (16 / static_cast<int>(sizeof(Tx))); }
 
 template <typename Tx, typename Tm, typename Tdy, int C, bool SPT, bool RING>
 __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
@@ -301,14 +311,14 @@ __global__ void __launch_bounds__(512) bwd_reduce_kernel(const BwdArgs a) {
   }
 }
 
+
 template <typename Tx, typename Tm, typename Tdy, int C, bool SPT>
 struct BwdKernels {
   static size_t coef(const BwdArgs& a, int threads) { return coef_smem_bytes(SPT ? 2 : 1, C, threads, a.xt); }
   static size_t slot(const BwdArgs& a) { return ring_stride(a.D, sizeof(Tx)) + ring_stride(a.D, sizeof(Tdy)); }
   static size_t smem(const BwdArgs& a, int threads) { return coef(a, threads) + a.stages * slot(a); }
-  // The ring for per-sample/shared scale up to 2 chunks a thread (ptxas sm_90: no spills; at 4 the
-  // ring variant fell to 32 registers and 2.4 KB of spills).
-  static constexpr bool kRing = !SPT && C <= 2;
+  // the ring for per-sample/shared scale (see kBwdRingElems)
+  static constexpr bool kRing = !SPT && C <= bwd_ring_chunks<Tx>();
   template <typename F>
   static void with_kernel(const BwdArgs& a, const F& f) {  // the ring's row kernel, or the register one
     if constexpr (kRing) {
@@ -320,7 +330,7 @@ struct BwdKernels {
   static void plan(BwdArgs& a, int threads) {
     if constexpr (kRing) {
       const void* ring = reinterpret_cast<const void*>(bwd_row_kernel<Tx, Tm, Tdy, C, false, true>);
-      a.stages = ring_stages(a.stages, a.aligned, coef(a, threads), slot(a), ring);
+      a.stages = ring_stages(a.stages, a.aligned, coef(a, threads), slot(a), 64 * 1024, ring);  // ~64 KB of rows
     } else {
       a.stages = 0;
     }
@@ -338,20 +348,26 @@ struct BwdKernels {
   }
 };
 
-// plan (launch == false) or launch the backward for a chunk count known at run time
+// plan (launch == false: sets a.threads, a.chunks, a.stages, a.tiles, a.rows_per_tile) or launch
+// the backward: the ring's block shape first, the register path's where the ring cannot run
 template <typename Tx, typename Tm, typename Tdy, bool SPT>
 void bwd_run(BwdArgs& a, bool launch, cudaStream_t stream) {
-  const RowShape rs = row_shape(a.D, a.xt, a.max_threads);
-  switch (rs.chunks) {
-    case 1: launch ? BwdKernels<Tx, Tm, Tdy, 1, SPT>::launch(a, rs.threads, stream)
-                   : BwdKernels<Tx, Tm, Tdy, 1, SPT>::plan(a, rs.threads); break;
-    case 2: launch ? BwdKernels<Tx, Tm, Tdy, 2, SPT>::launch(a, rs.threads, stream)
-                   : BwdKernels<Tx, Tm, Tdy, 2, SPT>::plan(a, rs.threads); break;
-    case 4: launch ? BwdKernels<Tx, Tm, Tdy, 4, SPT>::launch(a, rs.threads, stream)
-                   : BwdKernels<Tx, Tm, Tdy, 4, SPT>::plan(a, rs.threads); break;
-    default: launch ? BwdKernels<Tx, Tm, Tdy, 8, SPT>::launch(a, rs.threads, stream)
-                    : BwdKernels<Tx, Tm, Tdy, 8, SPT>::plan(a, rs.threads); break;
+  if (launch) {
+    with_chunk_count(a.chunks, [&](auto c) { BwdKernels<Tx, Tm, Tdy, decltype(c)::value, SPT>::launch(a, a.threads, stream); });
+    return;
   }
+  const int requested = a.stages;
+  auto plan = [&](RowShape rs) {
+    a.stages = requested;
+    a.threads = rs.threads;
+    a.chunks = rs.chunks;
+    with_chunk_count(rs.chunks, [&](auto c) { BwdKernels<Tx, Tm, Tdy, decltype(c)::value, SPT>::plan(a, rs.threads); });
+  };
+  const RowShape regs = row_shape(a.D, a.xt, a.max_threads);
+  const RowShape ring = SPT ? regs : ring_row_shape(a.D, a.xt, a.max_threads, bwd_ring_chunks<Tx>());
+  plan(ring);
+  if (a.stages == 0 && (ring.threads != regs.threads || ring.chunks != regs.chunks)) plan(regs);
+  if (!SPT && a.stages == 0 && a.chunks > bwd_ring_chunks<Tx>()) a.two_kernel = true;  // see kBwdRingElems
 }
 
 // Dispatch on (modulation dtype, dy dtype) for one x dtype: each is x's dtype or fp32.

@@ -177,11 +177,21 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
 RowShape row_shape(int D, DType xt, int max_threads) {
   const int vec = xt == DType::F32 ? 4 : 8;
   const int groups = (D + vec - 1) / vec;
-  const int cap = max_threads < 32 ? 32 : (max_threads > kMaxThreads ? kMaxThreads : max_threads);
+  const int cap = max_threads <= 0 ? kMaxThreads : (max_threads < 32 ? 32 : (max_threads > kMaxThreads ? kMaxThreads : max_threads));
   int chunks = 1;
   while ((groups + chunks - 1) / chunks > cap && chunks < kMaxChunks) chunks *= 2;
   const int per = (groups + chunks - 1) / chunks;
   return {(per + 31) / 32 * 32, chunks};
+}
+
+RowShape ring_row_shape(int D, DType xt, int max_threads, int ring_chunks) {
+  if (max_threads <= 0) {
+    for (int cap : {128, 256}) {
+      const RowShape s = row_shape(D, xt, cap);
+      if (s.chunks <= ring_chunks) return s;
+    }
+  }
+  return row_shape(D, xt, max_threads);
 }
 
 int max_features(DType) { return kMaxFeatures; }
@@ -199,7 +209,8 @@ int num_sms() {
   return cached[dev];
 }
 
-int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_bytes, const void* ring_kernel) {
+int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_bytes, size_t auto_bytes,
+                const void* ring_kernel) {
   if (requested == 0 || !eligible) return 0;
   int dev = 0, major = 0, optin = 0;
   cudaFuncAttributes attr{};
@@ -214,7 +225,7 @@ int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_by
   // JIT-compiled here) has no bulk copies in it
   if (major < 9 || attr.ptxVersion < 90 || optin <= 1024) return 0;
   const size_t room = static_cast<size_t>(optin) - 1024;  // static shared memory: reductions, barriers
-  int stages = requested > 0 ? requested : static_cast<int>((64 * 1024) / slot_bytes);
+  int stages = requested > 0 ? requested : static_cast<int>(auto_bytes / slot_bytes);
   stages = stages < 2 ? 2 : (stages > kMaxStages ? kMaxStages : stages);
   while (stages >= 2 && fixed_bytes + stages * slot_bytes > room) --stages;
   return stages >= 2 ? stages : 0;
@@ -224,43 +235,51 @@ int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_by
 // per-sample or shared modulation, and up to 2 with per-token rows (at 4: 128 registers, spills).
 constexpr int kRingChunks = 4;
 constexpr int kRingChunksPerToken = 2;
+// Automatic forward ring: slots for ~32 KB of rows per block. 64 KB (the backward's) measured worse on the
+// H200 wherever it gave more than 4 slots: per-token D = 1536 (7 slots) 73% of SoL against 88% with 2.
+constexpr size_t kFwdRingBytes = 32 * 1024;
 
 template <typename Tx, typename Tm, typename To>
 void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
-  FwdArgs a = a0;
-  const RowShape rs = row_shape(a.D, a.xt, a.max_threads);
-  const bool pt = a.scale.sn != 0 || (a.shift.ptr && a.shift.sn != 0);
-  const size_t coef = coef_smem_bytes(2, rs.chunks, rs.threads, a.xt);
-  const size_t slot = ring_stride(a.D, sizeof(Tx)) + (pt ? mod_rows(a).count() : 0) * ring_stride(a.D, sizeof(Tm));
-  auto go = [&](auto kernel, int stages) {
+  const bool pt = a0.scale.sn != 0 || (a0.shift.ptr && a0.shift.sn != 0);
+  const size_t slot = ring_stride(a0.D, sizeof(Tx)) + (pt ? mod_rows(a0).count() : 0) * ring_stride(a0.D, sizeof(Tm));
+  auto go = [&](auto kernel, RowShape rs, int stages) {
+    FwdArgs a = a0;
     a.stages = stages;
-    const size_t smem = coef + stages * slot;
+    const size_t smem = coef_smem_bytes(2, rs.chunks, rs.threads, a.xt) + stages * slot;
     int64_t tiles, rpt;
     one_wave(kernel, rs.threads, smem, a.B, a.N, tiles, rpt);
     kernel<<<static_cast<unsigned>(a.B * tiles), rs.threads, smem, stream>>>(a, tiles, rpt);
   };
-  auto try_ring = [&](auto kernel) {
-    const int stages = ring_stages(a0.stages, a.aligned, coef, slot, reinterpret_cast<const void*>(kernel));
-    if (stages > 0) go(kernel, stages);
-    return stages > 0;
-  };
-  auto pick = [&](auto chunks) {  // the ring where it compiles without spills, else the register prefetch
-    constexpr int kC = decltype(chunks)::value;
-    if constexpr (kC <= kRingChunksPerToken) {
-      if (pt && try_ring(fwd_kernel<Tx, Tm, To, kC, true, true>)) return;
-    }
-    if constexpr (kC <= kRingChunks) {
-      if (!pt && try_ring(fwd_kernel<Tx, Tm, To, kC, false, true>)) return;
-    }
-    if (pt) go(fwd_kernel<Tx, Tm, To, kC, true, false>, 0);
-    else go(fwd_kernel<Tx, Tm, To, kC, false, false>, 0);
-  };
-  switch (rs.chunks) {
-    case 1: pick(std::integral_constant<int, 1>{}); break;
-    case 2: pick(std::integral_constant<int, 2>{}); break;
-    case 4: pick(std::integral_constant<int, 4>{}); break;
-    default: pick(std::integral_constant<int, 8>{}); break;
+  // the ring where it compiles without spills (its own, narrower block shape), else the register prefetch
+  const int ring_chunks = pt ? kRingChunksPerToken : kRingChunks;
+  const RowShape ring = ring_row_shape(a0.D, a0.xt, a0.max_threads, ring_chunks);
+  bool ran = false;
+  if (ring.chunks <= ring_chunks) {
+    with_chunk_count(ring.chunks, [&](auto chunks) {
+      constexpr int kC = decltype(chunks)::value;
+      auto try_ring = [&](auto kernel) {
+        const size_t coef = coef_smem_bytes(2, kC, ring.threads, a0.xt);
+        const int stages = ring_stages(a0.stages, a0.aligned, coef, slot, kFwdRingBytes,
+                                       reinterpret_cast<const void*>(kernel));
+        if (stages > 0) go(kernel, ring, stages);
+        ran = stages > 0;
+      };
+      if constexpr (kC <= kRingChunksPerToken) {
+        if (pt) try_ring(fwd_kernel<Tx, Tm, To, kC, true, true>);
+      }
+      if constexpr (kC <= kRingChunks) {
+        if (!pt) try_ring(fwd_kernel<Tx, Tm, To, kC, false, true>);
+      }
+    });
   }
+  if (ran) return;
+  const RowShape rs = row_shape(a0.D, a0.xt, a0.max_threads);
+  with_chunk_count(rs.chunks, [&](auto chunks) {
+    constexpr int kC = decltype(chunks)::value;
+    if (pt) go(fwd_kernel<Tx, Tm, To, kC, true, false>, rs, 0);
+    else go(fwd_kernel<Tx, Tm, To, kC, false, false>, rs, 0);
+  });
 }
 
 template <typename Tx>

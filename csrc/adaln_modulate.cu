@@ -230,13 +230,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &adaln::forward,
         "y, mean, rstd = forward(x[B,N,D], weight?, bias?, scale, shift?, eps, out_fp32, max_threads, stages)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"), py::arg("eps"),
-        py::arg("out_fp32"), py::arg("max_threads") = adaln::kMaxThreads, py::arg("stages") = 0);
+        py::arg("out_fp32"), py::arg("max_threads") = 0, py::arg("stages") = 0);
   m.def("backward", &adaln::backward,
         "dx, dscale, dshift, dweight, dbias = backward(dy, x, weight?, bias?, scale, shift?, mean, rstd, two_kernel, "
         "max_threads, stages)",
         py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"),
         py::arg("mean"), py::arg("rstd"), py::arg("two_kernel") = false,
-        py::arg("max_threads") = adaln::kMaxThreads, py::arg("stages") = 0);
+        py::arg("max_threads") = 0, py::arg("stages") = 0);
   m.def("max_features", [](const std::string& dtype) {
     return adaln::max_features(dtype == "float32" ? adaln::DType::F32 : adaln::DType::BF16);
   }, "largest D the kernels take for x of this dtype ('float32', 'bfloat16', 'float16')");

@@ -17,6 +17,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 
 namespace adaln {
 
@@ -52,7 +53,8 @@ struct FwdArgs {
   float eps = 0.f;
   DType xt = DType::F32, mt = DType::F32, ot = DType::F32;
   bool aligned = false;  // every row start and modulation row is 16-byte aligned and D % VEC == 0
-  int max_threads = kMaxThreads;  // threads-per-block cap (tuning knob; fewer threads, more chunks)
+  // Threads-per-block cap (tuning knob; fewer threads, more chunks); 0: automatic (ring_row_shape).
+  int max_threads = 0;
   // Rows of the forward's shared-memory ring: 0 = register prefetch (one row ahead), -1 = chosen by
   // the launcher, 2..kMaxStages = that many (the launcher falls back to 0 where the ring cannot run).
   int stages = 0;
@@ -84,8 +86,9 @@ struct BwdArgs {
   DType xt = DType::F32, mt = DType::F32, dyt = DType::F32;
   bool aligned = false;
   bool two_kernel = false;  // reference design: dx kernel + column kernel re-reading x and dy
-  int max_threads = kMaxThreads;
+  int max_threads = 0;  // as FwdArgs::max_threads
   int stages = 0;  // rows (x and dy) of the row kernel's shared-memory ring, as FwdArgs::stages
+  int threads = 0, chunks = 0;  // the row kernel's block: threads, 16-byte chunks a thread (backward_plan)
 };
 
 // Threads per block and 16-byte chunks per thread for a row of D elements of x's dtype.
@@ -93,12 +96,30 @@ struct RowShape {
   int threads;
   int chunks;
 };
+// The fewest chunks a thread with at most `max_threads` threads (0: kMaxThreads) a row.
 RowShape row_shape(int D, DType xt, int max_threads);
+// The shape of a ring kernel that takes at most `ring_chunks` chunks a thread. Automatic
+// (max_threads == 0): the first of 128 and 256 threads a row whose chunk count fits, else
+// row_shape(D, xt, 0). Fewer threads a row (more chunks each) measured faster on the H200 rings
+// (bf16, N = 65536, B = 2): forward D = 3072 85% of SoL at 96 threads x 4 chunks, 80% at 384 x 1;
+// backward D = 1536 86% at 96 x 2, 79% at 192 x 1 (benchmarks/KERNEL_NOTES.md, v7).
+RowShape ring_row_shape(int D, DType xt, int max_threads, int ring_chunks);
+// f(std::integral_constant<int, C>{}) for a chunk count known at run time (1, 2, 4 or 8)
+template <typename F>
+void with_chunk_count(int chunks, const F& f) {
+  switch (chunks) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
 // Ring slots of `ring_kernel` for `requested` (FwdArgs::stages: -1 automatic, 0 none,
 // 2..kMaxStages), or 0 where the ring cannot run: not `eligible` (unaligned rows), a GPU or a build
 // before sm_90, or too little shared memory for two slots of `slot_bytes` beside `fixed_bytes`.
-// Automatic: slots for ~64 KB of rows per block.
-int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_bytes, const void* ring_kernel);
+// Automatic: slots for ~`auto_bytes` of rows per block.
+int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_bytes, size_t auto_bytes,
+                const void* ring_kernel);
 int max_features(DType xt);
 
 void launch_forward(const FwdArgs& a, cudaStream_t stream);

@@ -210,15 +210,27 @@ def _layout(mod_shape: torch.Size, x_shape: torch.Size) -> str:
 
 
 def _max_threads() -> int:
-    """Threads-per-block cap of the kernels (tuning knob for benchmarks; the kernels' default)."""
-    return int(os.environ.get("ADAPTIVELOAD_MAX_THREADS", "512"))
+    """``ADAPTIVELOAD_MAX_THREADS``: threads-per-block cap of the kernels' row blocks, a tuning knob
+    for benchmarks ("auto", the default: the launcher's choice, 0; 32-512: that cap, fewer threads
+    meaning more 16-byte chunks a thread).
+
+    Raises:
+        ValueError: a value other than "auto" or an integer 32..512.
+    """
+    value = os.environ.get("ADAPTIVELOAD_MAX_THREADS", "auto").strip().lower()
+    if value == "auto":
+        return 0
+    if value.isdigit() and 32 <= int(value) <= 512:
+        return int(value)
+    raise ValueError(f"ADAPTIVELOAD_MAX_THREADS={value!r}: expected 'auto' or 32..512")
 
 
 def _ring_stages(name: str) -> int:
     """``ADAPTIVELOAD_FWD_STAGES`` / ``ADAPTIVELOAD_BWD_STAGES``: rows of the forward's / backward
     row kernel's shared-memory ring on sm_90 ("auto", the default: the launcher's choice, about
-    64 KB of rows; 2-8: that many rows; "0": the register prefetch of one row). The kernels use the register prefetch where the
-    ring cannot run (per-token scale, unaligned rows, GPUs before sm_90).
+    32 KB (forward) / 64 KB (backward) of rows; 2-8: that many rows; "0": the register prefetch of
+    one row). The kernels use the register prefetch where the ring cannot run (unaligned rows, a
+    per-token forward row wider than 2 chunks a thread, per-token backward, GPUs before sm_90).
 
     Raises:
         ValueError: a value other than "auto" or an integer 0, 2..8.

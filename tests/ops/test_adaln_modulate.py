@@ -281,6 +281,21 @@ def test_ring_stage_setting(monkeypatch, name):
             _ring_stages(name)
 
 
+def test_max_threads_setting(monkeypatch):
+    """Unset or "auto": 0 (the launcher's block shape); 32..512 pass through; anything else names the variable."""
+    from adaptiveload.ops.adaln_modulate import _max_threads
+
+    monkeypatch.delenv("ADAPTIVELOAD_MAX_THREADS", raising=False)
+    assert _max_threads() == 0
+    for value, expected in [("auto", 0), (" Auto", 0), ("32", 32), ("128", 128), ("512", 512)]:
+        monkeypatch.setenv("ADAPTIVELOAD_MAX_THREADS", value)
+        assert _max_threads() == expected, value
+    for bad in ("0", "31", "513", "-1", "many", ""):
+        monkeypatch.setenv("ADAPTIVELOAD_MAX_THREADS", bad)
+        with pytest.raises(ValueError, match="ADAPTIVELOAD_MAX_THREADS"):
+            _max_threads()
+
+
 def test_modulation_rows_view_strided_chunks_without_copy():
     x_shape = torch.Size([2, 5, 8])
     emb = torch.randn(2, 6 * 8)
@@ -389,8 +404,11 @@ def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatc
     forward: identical y, mean and rstd, for rows that fill the ring or not (N < stages), tiles of
     uneven length, every x dtype, fp32 or x-dtype modulation, affine or not, strided chunks, and
     per-token scale and/or shift rows (copied into the slot beside their x row); unaligned rows and
-    per-token rows beyond 2 chunks a thread fall back to the register forward."""
+    per-token rows beyond 2 chunks a thread fall back to the register forward. Same block shape for
+    both (ADAPTIVELOAD_MAX_THREADS=512: the ring's automatic shape has fewer threads a row, so other
+    reduction trees); the automatic shape is checked against float64 at the end."""
     gen = torch.Generator(device="cuda").manual_seed(21)
+    monkeypatch.setenv("ADAPTIVELOAD_MAX_THREADS", "512")
     cases = [  # (B, N, D, x dtype, modulation layout); per-token D <= 8192 (16-bit x) takes the ring
         (1, 1, 1536, torch.bfloat16, "per-sample"), (3, 7, 3072, torch.bfloat16, "per-sample"),
         (2, 4099, 5120, torch.bfloat16, "per-sample"), (1, 65536, 1536, torch.bfloat16, "per-sample"),
@@ -426,7 +444,9 @@ def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatc
         assert (launched["0"] != launched[stages]) == takes_ring, (where, launched)
         for name, ref, got in zip(("y", "mean", "rstd"), outputs["0"], outputs[stages]):
             assert torch.equal(ref, got), f"{name} differs at {where}"
-    # and the ring itself against float64 (the environment still selects it)
+    # and the ring itself, in its automatic block shape, against float64 (the environment still selects it)
+    monkeypatch.delenv("ADAPTIVELOAD_MAX_THREADS")
+    check_against_float64((1, 3000, 1536), torch.bfloat16, "per-sample", "per-sample", True, "cuda", 8)
     check_against_float64((2, 4099, 5120), torch.bfloat16, "strided-per-sample", "per-sample", True, "cuda", 5,
                           mod_fp32=True)
     check_against_float64((2, 777, 3072), torch.bfloat16, "per-token", "per-token", True, "cuda", 7, mod_fp32=True)
@@ -438,8 +458,10 @@ def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatc
 def test_backward_ring_matches_the_register_backward(kernels, monkeypatch, stages):
     """The backward's shared-memory ring: dx bit for bit (per-row arithmetic is the same); the summed
     gradients to fp32 rounding (the ring changes occupancy, hence the row tiles the partial sums run
-    over); two ring runs bit-identical; per-token scale falls back to the register kernel."""
+    over); two ring runs bit-identical; per-token scale falls back to the register kernel. Same block
+    shape for both (ADAPTIVELOAD_MAX_THREADS=512); the ring's automatic shape against float64 at the end."""
     gen = torch.Generator(device="cuda").manual_seed(22)
+    monkeypatch.setenv("ADAPTIVELOAD_MAX_THREADS", "512")
     cases = [(1, 1, 1536, torch.bfloat16, torch.bfloat16), (3, 7, 3072, torch.bfloat16, torch.float32),
              (2, 4099, 5120, torch.bfloat16, torch.bfloat16), (1, 65536, 1536, torch.bfloat16, torch.bfloat16),
              (2, 333, 8, torch.float16, torch.float32), (1, 1000, 16384, torch.bfloat16, torch.bfloat16),
@@ -464,15 +486,17 @@ def test_backward_ring_matches_the_register_backward(kernels, monkeypatch, stage
                 lambda: torch.ops.adaptiveload.adaln_modulate_backward(dy, x, w, b, scale, shift, mean, rstd))
         ref, (ring, again) = grads["0"][0], grads[stages]
         where = f"B={B} N={N} D={D} {dtype} dy {dy_dtype} stages={stages}"
-        # the ring takes per-sample scale up to 2 chunks a thread (D <= 8192 for 16-bit x)
-        takes_ring = i != 4 and D <= (4096 if dtype == torch.float32 else 8192)
+        # the ring takes per-sample scale up to 16 elements a thread (2 chunks of 16-bit x, 4 of fp32): D <= 8192
+        takes_ring = i != 4 and D <= 8192
         assert (launched["0"] != launched[stages]) == takes_ring, (where, launched)
         assert torch.equal(ref[0], ring[0]), f"dx differs at {where}"
         for name, r, g, g2 in zip(("dweight", "dbias", "dscale", "dshift"), ref[1:], ring[1:], again[1:]):
             assert torch.equal(g, g2), f"{name}: two ring runs differ at {where}"
             torch.testing.assert_close(g.float(), r.float(), rtol=1e-4, atol=1e-4 * float(r.float().abs().max()) + 1e-6,
                                        msg=f"{name} at {where}")
-    check_against_float64((2, 4099, 5120), torch.bfloat16, "strided-per-sample", "per-sample", True, "cuda", 6,
+    monkeypatch.delenv("ADAPTIVELOAD_MAX_THREADS")
+    check_against_float64((1, 3000, 1536), torch.bfloat16, "per-sample", "per-sample", True, "cuda", 9)
+    check_against_float64((2, 4099, 3072), torch.bfloat16, "strided-per-sample", "per-sample", True, "cuda", 6,
                           mod_fp32=True)
 
 
