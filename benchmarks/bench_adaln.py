@@ -3,7 +3,10 @@
 For each shape: median (and p20/p80) forward, backward and forward+backward times of
   * eager:    F.layer_norm(x) * (1 + scale) + shift
   * inductor: torch.compile(the same expression, dynamic=False), default mode
-  * fused:    torch.ops.adaptiveload.adaln_modulate (the csrc/ kernels)
+  * fused:    torch.ops.adaptiveload.adaln_modulate (the csrc/ kernels), called eagerly
+  * backend:  torch.compile(the unfused expression, backend="adaptiveload", dynamic=False): the
+              backend rewrites the chain into the fused op and Inductor compiles the rest (the
+              Linear); what a compiled model runs, without the op's eager autograd layer
 where, for per-sample modulation, every implementation computes scale and shift in the graph from a
 Linear -> chunk -> unsqueeze (torch 2.11 Inductor fails backward with B = 1 leaf modulation; see
 ../shared/ANCHORS.md), and per-token scale and shift are the two halves (.chunk) of one [B, N, 2D]
@@ -34,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from adaptiveload.fxfuse import backend as fusion_backend
 from results_file import run_context, write_json_and_markdown
 
 # The grid of the issue: B x N x D x modulation layout x dtype pattern.
@@ -56,6 +60,7 @@ PRESETS = {
     + [(1, 65536, D, "per-token", "bf16") for D in DEFAULT_D]
     + [(B, 65536, D, "per-sample", "wan") for B in DEFAULT_B for D in DEFAULT_D],
 }
+IMPLS = ("eager", "inductor", "fused", "backend")
 EPS = 1e-6
 EMB_DIM = 256  # width of the embedding the per-sample Linear maps to [B, 2 * D]
 COPY_BYTES = 1 << 30  # 1 GiB device-to-device copy for the bandwidth ceiling
@@ -94,7 +99,7 @@ def fused(x, scale, shift, out_dtype):
 def make_expr(impl, layout, pattern):
     """fn(x, mod_input, linear) -> y for one implementation; mod_input is the [B, EMB_DIM] embedding
     (per-sample, through `linear`) or the [B, N, 2D] per-token leaf."""
-    body = fused if impl == "fused" else chain
+    body = fused if impl == "fused" else chain  # the backend rewrites the chain into the op
     out_dtype = torch.bfloat16 if pattern == "wan" else None
 
     def fn(x, mod_input, linear):
@@ -106,6 +111,8 @@ def make_expr(impl, layout, pattern):
 
     if impl == "inductor":
         return torch.compile(fn, dynamic=False)
+    if impl == "backend":
+        return torch.compile(fn, backend="adaptiveload", dynamic=False)
     return fn
 
 
@@ -177,13 +184,16 @@ def run_shape(tt, B, N, D, layout, pattern, bw, l2_bytes, gen) -> dict:
             s0, h0 = (m.double() for m in m0.chunk(2, dim=-1))
         ref = F.layer_norm(x0.double(), (D,), eps=EPS) * (1 + s0) + h0
     params = list(linear.parameters())
-    for impl in ("eager", "inductor", "fused"):
+    for impl in IMPLS:
         fn = make_expr(impl, layout, pattern)
+        fusion_backend.clear_reports()
         rot = Rotating(sets)
         res = {}
         try:
             with torch.no_grad():
                 res["rel_err_vs_fp64"] = rel_err(fn(x0, m0, linear), ref)
+                if impl == "backend" and sum(r.fused for r in fusion_backend.last_reports()) != 1:
+                    raise RuntimeError("the adaptiveload backend did not fuse the chain (exactly one expected)")
 
                 def fwd():
                     x, m, _ = rot.next()
@@ -223,6 +233,26 @@ def run_shape(tt, B, N, D, layout, pattern, bw, l2_bytes, gen) -> dict:
         torch.cuda.empty_cache()
     row["fused_op"] = op_only(tt, sets, linear, layout, pattern)
     return row
+
+
+def host_time_us(gen, calls: int = 300) -> dict:
+    """Host time (µs) of one forward+backward call of each implementation on a tiny shape (B = 1,
+    N = 16, D = 1536, per-sample bf16), where the GPU work is a few µs: wall time of `calls` calls
+    without a sync between them, then one sync. What a call costs before the GPU is the bottleneck."""
+    sets, linear = make_inputs(1, 16, 1536, "per-sample", "bf16", 1, gen)
+    x, m, dy = (t.detach().requires_grad_(t is not sets[0][2]) for t in sets[0])
+    out = {}
+    for impl in IMPLS:
+        fn = make_expr(impl, "per-sample", "bf16")
+        for _ in range(20):
+            fn(x, m, linear).backward(dy)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(x, m, linear).backward(dy)
+        torch.cuda.synchronize()
+        out[impl] = (time.perf_counter() - t0) / calls * 1e6
+    return out
 
 
 def op_only(tt, sets, linear, layout, pattern) -> dict:
@@ -273,6 +303,7 @@ def summarize(row: dict) -> dict:
     for mode in ("fwd", "bwd", "fwdbwd"):
         for other in ("eager", "inductor"):
             out[f"speedup_{mode}_vs_{other}"] = med(other, mode) / med("fused", mode)
+            out[f"backend_speedup_{mode}_vs_{other}"] = med(other, mode) / med("backend", mode)
         out[f"inductor_{mode}_frac_sol"] = row[f"sol_{mode}_ms"] / med("inductor", mode)
     out["fused_fwdbwd_frac_sol"] = row["sol_fwdbwd_ms"] / med("fused", "fwdbwd")
     return out
@@ -286,14 +317,18 @@ def markdown(doc: dict) -> str:
         f"- command: `{doc['command']}`",
         f"- measured copy bandwidth (read + write): {doc['copy_TBps']:.2f} TB/s; times are medians in ms "
         "(p20-p80 in the JSON); SoL = bytes that must move / copy bandwidth",
-        "- eager / Inductor / fused columns: the whole expression (per-sample: Linear -> chunk -> unsqueeze -> "
-        "chain); 'op' columns: the fused op's kernels alone (forward; backward one-pass and two-kernel)",
+        "- eager / Inductor / fused / backend columns: the whole expression (per-sample: Linear -> chunk -> "
+        "unsqueeze -> chain); fused: the op called eagerly; backend: torch.compile(backend=\"adaptiveload\"); "
+        "'op' columns: the fused op's kernels alone (forward; backward one-pass and two-kernel)",
+        "- host time of one forward+backward call (µs; B = 1, N = 16, D = 1536, per-sample bf16, no sync "
+        "between calls): " + ", ".join(f"{k} {v:.0f}" for k, v in doc.get("host_us_per_fwdbwd_call", {}).items()),
         "",
         "| B | N | D | layout | dtypes | SoL fwd | eager fwd | Inductor fwd | fused fwd | op fwd (% SoL) "
         "| SoL bwd | eager bwd | Inductor bwd | fused bwd | op bwd 1-pass (% SoL) | op bwd 2-kernel (% SoL) "
         "| eager fwd+bwd | Inductor fwd+bwd | fused fwd+bwd | fwd+bwd vs eager | fwd+bwd vs Inductor "
-        "| saved MiB eager / Inductor / fused | rel err eager / Inductor / fused |",
-        "|" + "---|" * 23,
+        "| backend fwd | backend fwd+bwd | backend fwd+bwd vs Inductor "
+        "| saved MiB eager / Inductor / fused / backend | rel err eager / Inductor / fused / backend |",
+        "|" + "---|" * 26,
     ]
 
     def m(row, impl, mode):
@@ -307,10 +342,10 @@ def markdown(doc: dict) -> str:
         s, op = row["summary"], row["fused_op"]
         saved = " / ".join(
             f"{row['impl'][i].get('saved_bytes', float('nan')) / 2**20:.1f}" if "saved_bytes" in row["impl"][i] else "–"
-            for i in ("eager", "inductor", "fused"))
+            for i in IMPLS)
         errs = " / ".join(
             f"{row['impl'][i]['rel_err_vs_fp64']:.1e}" if "rel_err_vs_fp64" in row["impl"][i] else "–"
-            for i in ("eager", "inductor", "fused"))
+            for i in IMPLS)
         lines.append(
             f"| {row['B']} | {row['N']} | {row['D']} | {row['layout']} | {row['pattern']} | {row['sol_fwd_ms']:.3f} "
             f"| {m(row, 'eager', 'fwd')} | {m(row, 'inductor', 'fwd')} | {m(row, 'fused', 'fwd')} "
@@ -319,7 +354,9 @@ def markdown(doc: dict) -> str:
             f"| {op['bwd_one_pass']['median']:.3f} ({100 * s['op_bwd_frac_sol']:.0f}%) "
             f"| {op['bwd_two_kernel']['median']:.3f} ({100 * s['op_bwd_two_kernel_frac_sol']:.0f}%) "
             f"| {m(row, 'eager', 'fwdbwd')} | {m(row, 'inductor', 'fwdbwd')} | {m(row, 'fused', 'fwdbwd')} "
-            f"| {s['speedup_fwdbwd_vs_eager']:.2f}x | {s['speedup_fwdbwd_vs_inductor']:.2f}x | {saved} | {errs} |"
+            f"| {s['speedup_fwdbwd_vs_eager']:.2f}x | {s['speedup_fwdbwd_vs_inductor']:.2f}x "
+            f"| {m(row, 'backend', 'fwd')} | {m(row, 'backend', 'fwdbwd')} "
+            f"| {s['backend_speedup_fwdbwd_vs_inductor']:.2f}x | {saved} | {errs} |"
         )
     lines += ["", "`*` backward estimated as fwd+bwd − fwd (the compiled graph could not be replayed)."]
     return "\n".join(lines) + "\n"
@@ -353,6 +390,9 @@ def main(argv=None) -> int:
     bw = copy_bandwidth(tt)
     print(f"{props.name}: copy bandwidth {bw / 1e12:.2f} TB/s, L2 {l2 / 2**20:.0f} MiB", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
+    host_us = host_time_us(gen)
+    print("host time of one fwd+bwd call (µs, B=1 N=16 D=1536): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in host_us.items()), flush=True)
     rows, md = [], ""
     t0 = time.time()
     shapes = PRESETS[args.preset] or [
@@ -369,21 +409,22 @@ def main(argv=None) -> int:
             f"({100 * s['op_fwd_frac_sol']:.0f}% SoL), bwd {op['bwd_one_pass']['median']:.3f} "
             f"({100 * s['op_bwd_frac_sol']:.0f}%), 2-kernel {op['bwd_two_kernel']['median']:.3f} "
             f"({100 * s['op_bwd_two_kernel_frac_sol']:.0f}%); fwd+bwd vs eager {s['speedup_fwdbwd_vs_eager']:.2f}x, "
-            f"vs Inductor {s['speedup_fwdbwd_vs_inductor']:.2f}x, fwd vs Inductor {s['speedup_fwd_vs_inductor']:.2f}x "
+            f"vs Inductor {s['speedup_fwdbwd_vs_inductor']:.2f}x (backend {s['backend_speedup_fwdbwd_vs_inductor']:.2f}x), "
+            f"fwd vs Inductor {s['speedup_fwd_vs_inductor']:.2f}x "
             f"[{time.time() - t0:.0f}s]",
             flush=True,
         )
         torch.cuda.empty_cache()
-        md = write_results(args, props, bw, rows)  # after every shape: a cut-short run keeps its rows
+        md = write_results(args, props, bw, host_us, rows)  # after every shape: a cut-short run keeps its rows
     print(md)
     return 0
 
 
-def write_results(args, props, bw, rows) -> str:
+def write_results(args, props, bw, host_us, rows) -> str:
     import triton
 
     doc = {**run_context(__file__, None), "gpu": props.name, "cuda": torch.version.cuda,
-           "triton": triton.__version__, "copy_TBps": bw / 1e12, "rows": rows}
+           "triton": triton.__version__, "copy_TBps": bw / 1e12, "host_us_per_fwdbwd_call": host_us, "rows": rows}
     md = markdown(doc)
     write_json_and_markdown(str(args.out), f"adaln_{args.tag}", doc, md.rstrip("\n"))
     return md

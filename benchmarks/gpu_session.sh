@@ -3,14 +3,17 @@
 # then the GPU tests and the sanitizer (on the second GPU, alongside the benchmark on the first; one
 # after the other on a one-GPU machine), writing logs and results under $OUT. Stages, run in this order:
 #   build      adaptiveload build (always done first when any other stage is given)
-#   tests      pytest -m cuda tests/ops on GPU 1 (in the background while the benchmark runs; first, on GPU 0,
-#              where there is one GPU)
+#   tests      pytest -m cuda tests/ops (TESTS_K: a pytest -k expression for a subset) on GPU 1, in the
+#              background while the benchmark runs (first, on GPU 0, where there is one GPU)
 #   sanitize   benchmarks/sanitize.sh after the tests, on the same GPU
 #   sweep      op-only timings over thread caps (ADAPTIVELOAD_MAX_THREADS) on GPU 0
 #   bench-quick / bench   benchmarks/bench_adaln.py on GPU 0 (a subset / the full grid)
 #   ring       forward and backward timings of the shared-memory row rings (ADAPTIVELOAD_FWD_STAGES /
-#              ADAPTIVELOAD_BWD_STAGES = 0, auto, 2, 4, 8) at N = 65536, bf16, per-sample, B = 1 / 2,
-#              D = 1536 / 3072 / 5120, on GPU 0 -> $OUT/ring.log
+#              ADAPTIVELOAD_BWD_STAGES = 0, auto, 2, 3, 4, 8) at N = 65536, bf16, per-sample, B = 1 / 2,
+#              D = 1536 / 3072 / 5120 (and thread caps ADAPTIVELOAD_MAX_THREADS = 512, 256, 128, 64 at
+#              D = 1536 / 3072), per-token forward rows, on GPU 0 -> $OUT/ring.log
+#   wide       forward and backward at wide rows (fp32 x D = 3072 / 5120 / 8192, bf16 D = 8192 / 12288 /
+#              16384; x of 512 MiB; default settings) on GPU 0 -> $OUT/wide.log
 #   ncu        Nsight Compute on GPU 0: speed-of-light, occupancy, launch, warp-state and memory
 #              sections of the forward, one-pass backward and reduce kernels at N = 65536, bf16,
 #              D = 1536 / 3072 / 5120, per-sample fp32 modulation (clocks left alone) -> $OUT/ncu.txt
@@ -43,7 +46,7 @@ if want tests || want sanitize; then
     if want tests; then
       # the fixed-shape tests first, then the hypothesis property test (its shrinking can be slow)
       timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/ops -m cuda -q -p no:cacheprovider --durations=10 \
-        -W ignore::DeprecationWarning -k "not kernels_match_float64_reference" >"$OUT/tests.log" 2>&1
+        -W ignore::DeprecationWarning -k "not kernels_match_float64_reference ${TESTS_K:+and ($TESTS_K)}" >"$OUT/tests.log" 2>&1
       echo "tests (fixed shapes): exit $?" >>"$OUT/tests.log"
       timeout ${PROPERTY_TIMEOUT:-90} python3 -m pytest tests/ops -m cuda -q -p no:cacheprovider \
         -W ignore::DeprecationWarning -k "kernels_match_float64_reference" >>"$OUT/tests.log" 2>&1
@@ -103,6 +106,19 @@ os.environ["ADAPTIVELOAD_REQUIRE_KERNEL"] = "1"
 op, bwd = torch.ops.adaptiveload.adaln_modulate, torch.ops.adaptiveload.adaln_modulate_backward
 bw = copy_bandwidth(tt)
 print(f"copy {bw / 1e12:.2f} TB/s")
+
+
+def sweep(label, fn, sol, var, values):
+    """Median of fn with env var `var` set to each value, as 'value: ms (% SoL)' cells; var is unset after."""
+    cells = []
+    for value in values:
+        os.environ[var] = value
+        ms = tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        cells.append(f"{value}: {ms:.3f} ms ({100 * sol / ms:.0f}%)")
+    os.environ.pop(var)
+    print(f"{label}: " + "; ".join(cells), flush=True)
+
+
 for B in (1, 2):
     for D in (1536, 3072, 5120):
         x = torch.randn(B, 65536, D, device="cuda", dtype=torch.bfloat16)
@@ -110,31 +126,50 @@ for B in (1, 2):
         s, h = s.unsqueeze(1), h.unsqueeze(1)
         dy = torch.randn_like(x)
         y, mean, rstd = op(x, None, None, s, h, 1e-6, torch.bfloat16)
-        for name, var, k, fn in (
-                ("fwd", "ADAPTIVELOAD_FWD_STAGES", 2, lambda: op(x, None, None, s, h, 1e-6, torch.bfloat16)),
-                ("bwd", "ADAPTIVELOAD_BWD_STAGES", 3, lambda: bwd(dy, x, None, None, s, h, mean, rstd))):
-            sol = k * x.numel() * 2 / bw * 1e3
-            cells = []
-            for stages in ("0", "auto", "2", "4", "8"):
-                os.environ[var] = stages
-                ms = tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
-                cells.append(f"{stages}: {ms:.3f} ms ({100 * sol / ms:.0f}%)")
-            os.environ[var] = "0"
-            print(f"B={B} D={D} {name}: " + "; ".join(cells), flush=True)
+        fwd = lambda: op(x, None, None, s, h, 1e-6, torch.bfloat16)  # noqa: E731
+        back = lambda: bwd(dy, x, None, None, s, h, mean, rstd)  # noqa: E731
+        sol_f, sol_b = 2 * x.numel() * 2 / bw * 1e3, 3 * x.numel() * 2 / bw * 1e3
+        stages = ("0", "auto", "2", "3", "4", "8")
+        sweep(f"B={B} D={D} fwd stages", fwd, sol_f, "ADAPTIVELOAD_FWD_STAGES", stages)
+        sweep(f"B={B} D={D} bwd stages", back, sol_b, "ADAPTIVELOAD_BWD_STAGES", stages)
+        if D < 5120:  # fewer threads a row, more chunks a thread (the ring at auto)
+            caps = ("512", "256", "128", "64")
+            sweep(f"B={B} D={D} fwd max_threads", fwd, sol_f, "ADAPTIVELOAD_MAX_THREADS", caps)
+            sweep(f"B={B} D={D} bwd max_threads", back, sol_b, "ADAPTIVELOAD_MAX_THREADS", caps)
 for D in (1536, 3072, 5120):  # per-token scale and shift (bf16 rows of a [B, N, 2D] chunk): 4 x-sized moves
     x = torch.randn(1, 65536, D, device="cuda", dtype=torch.bfloat16)
     s, h = (0.1 * torch.randn(1, 65536, 2 * D, device="cuda", dtype=torch.bfloat16)).chunk(2, -1)
-    sol = 4 * x.numel() * 2 / bw * 1e3
-    cells = []
-    for stages in ("0", "auto", "2", "4"):
-        os.environ["ADAPTIVELOAD_FWD_STAGES"] = stages
-        ms = tt.do_bench(lambda: op(x, None, None, s, h, 1e-6, torch.bfloat16), warmup=25, rep=100,
-                         return_mode="median")
-        cells.append(f"{stages}: {ms:.3f} ms ({100 * sol / ms:.0f}%)")
-    os.environ["ADAPTIVELOAD_FWD_STAGES"] = "0"
-    print(f"B=1 D={D} per-token fwd: " + "; ".join(cells), flush=True)
+    fwd = lambda: op(x, None, None, s, h, 1e-6, torch.bfloat16)  # noqa: E731
+    sweep(f"B=1 D={D} per-token fwd stages", fwd, 4 * x.numel() * 2 / bw * 1e3, "ADAPTIVELOAD_FWD_STAGES",
+          ("0", "auto", "2", "3", "4"))
 PY
   echo "ring: exit $?"; cat "$OUT/ring.log"
+fi
+if want wide; then
+  python3 - >"$OUT/wide.log" 2>&1 <<'PY'
+import os, sys, torch, triton.testing as tt
+import adaptiveload  # noqa: F401
+sys.path.insert(0, "benchmarks")
+from bench_adaln import copy_bandwidth
+os.environ["ADAPTIVELOAD_REQUIRE_KERNEL"] = "1"
+op, bwd = torch.ops.adaptiveload.adaln_modulate, torch.ops.adaptiveload.adaln_modulate_backward
+bw = copy_bandwidth(tt)
+print(f"copy {bw / 1e12:.2f} TB/s")
+for dtype, D in ((torch.float32, 3072), (torch.float32, 5120), (torch.float32, 8192), (torch.bfloat16, 8192),
+                 (torch.bfloat16, 12288), (torch.bfloat16, 16384)):
+    N = (1 << 29) // (D * dtype.itemsize)  # x of 512 MiB
+    x = torch.randn(1, N, D, device="cuda", dtype=dtype)
+    s, h = (0.1 * torch.randn(1, 2 * D, device="cuda")).chunk(2, -1)
+    s, h = s.unsqueeze(1), h.unsqueeze(1)
+    dy = torch.randn_like(x)
+    y, mean, rstd = op(x, None, None, s, h, 1e-6, dtype)
+    f = tt.do_bench(lambda: op(x, None, None, s, h, 1e-6, dtype), warmup=25, rep=100, return_mode="median")
+    b = tt.do_bench(lambda: bwd(dy, x, None, None, s, h, mean, rstd), warmup=25, rep=100, return_mode="median")
+    sol_f, sol_b = 2 * x.numel() * dtype.itemsize / bw * 1e3, 3 * x.numel() * dtype.itemsize / bw * 1e3
+    print(f"{dtype} N={N} D={D} per-sample fp32 modulation: fwd {f:.3f} ms ({100 * sol_f / f:.0f}% SoL), "
+          f"bwd {b:.3f} ms ({100 * sol_b / b:.0f}%)", flush=True)
+PY
+  echo "wide: exit $?"; cat "$OUT/wide.log"
 fi
 if want ncu; then
   cat >/tmp/ncu_cases.py <<'PY'
@@ -156,12 +191,12 @@ PY
   echo "ncu: exit $?"; grep -E "adaln::|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Size|Grid Size|Duration" "$OUT/ncu.txt" | head -90
 fi
 if want bench-quick; then
-  timeout 300 python3 benchmarks/bench_adaln.py --B 1 2 --N 65536 --D 1536 3072 5120 --layouts per-sample \
+  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_adaln.py --B 1 2 --N 65536 --D 1536 3072 5120 --layouts per-sample \
     --patterns bf16 --out "$OUT" --tag quick
   echo "bench-quick: exit $?"
 fi
 if want bench; then
-  timeout 290 python3 benchmarks/bench_adaln.py --out "$OUT" --tag h200 ${BENCH_ARGS:---preset session}
+  timeout ${BENCH_TIMEOUT:-290} python3 benchmarks/bench_adaln.py --out "$OUT" --tag h200 ${BENCH_ARGS:---preset session}
   echo "bench: exit $?"
 fi
 if [[ -n "${side:-}" ]]; then wait "$side"; fi
