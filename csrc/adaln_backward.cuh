@@ -35,8 +35,9 @@ namespace adaln {
 // The backward's ring takes rows of up to 16 elements a thread (2 chunks of 16-bit x, 4 of fp32):
 // ptxas sm_90 shows no spills there; at 32 (4 chunks of 16-bit x) the ring variant fell to 32 registers
 // and 2.4 KB of spills. Beyond it, the one-pass register kernel's column partials (3 floats an
-// element) spill too: 6% of SoL at bf16 D = 12288 / 16384 on the H200, so rows that wide and not on
-// the ring take the two-kernel design (a dx kernel, then a column kernel re-reading x and dy).
+// element) spill too (6% of SoL at bf16 D = 12288 / 16384 on the H200), so wider per-sample/shared
+// rows always take the two-kernel design: a dx kernel with the partials compiled out, then a column
+// kernel re-reading x and dy.
 constexpr int kBwdRingElems = 16;
 template <typename Tx>
 constexpr int bwd_ring_chunks() { return kBwdRingElems / (16 / static_cast<int>(sizeof(Tx))); }
@@ -55,7 +56,10 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   const int64_t n1 = min(a.N, n0 + rows_per_tile);
   if (n0 >= n1) return;
   const int D = a.D, T = blockDim.x, tid = threadIdx.x;
-  const bool al = a.aligned, accum = !a.two_kernel;
+  // rows wider than the one-pass limit always take the two-kernel design (see kBwdRingElems): their
+  // column partials are compiled out, so the dx-only kernel keeps its rows in registers
+  constexpr bool kOnePass = SPT || C <= bwd_ring_chunks<Tx>();
+  const bool al = a.aligned, accum = kOnePass && !a.two_kernel;
   const Tx* __restrict__ x = static_cast<const Tx*>(a.x);
   const Tdy* __restrict__ dy = static_cast<const Tdy*>(a.dy);
   Tx* __restrict__ dx = static_cast<Tx*>(a.dx);
@@ -367,7 +371,7 @@ void bwd_run(BwdArgs& a, bool launch, cudaStream_t stream) {
   const RowShape ring = SPT ? regs : ring_row_shape(a.D, a.xt, a.max_threads, bwd_ring_chunks<Tx>());
   plan(ring);
   if (a.stages == 0 && (ring.threads != regs.threads || ring.chunks != regs.chunks)) plan(regs);
-  if (!SPT && a.stages == 0 && a.chunks > bwd_ring_chunks<Tx>()) a.two_kernel = true;  // see kBwdRingElems
+  if (!SPT && a.chunks > bwd_ring_chunks<Tx>()) a.two_kernel = true;  // see kBwdRingElems
 }
 
 // Dispatch on (modulation dtype, dy dtype) for one x dtype: each is x's dtype or fp32.

@@ -98,9 +98,9 @@ void check_mod_dtype(const Tensor& m, const Tensor& x, const char* name) {
               " must be float32 or x's dtype ", x.scalar_type(), ", got ", m.scalar_type());
 }
 
-std::vector<Tensor> forward(const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
-                            const Tensor& scale, const optional<Tensor>& shift, double eps, bool out_fp32,
-                            int64_t max_threads, int64_t stages) {
+std::vector<Tensor> forward_rows(const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
+                                 const Tensor& scale, const optional<Tensor>& shift, double eps, bool out_fp32,
+                                 int64_t max_threads, int64_t stages) {
   check_x(x, "x");
   const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
   FwdArgs a;
@@ -144,10 +144,10 @@ std::vector<Tensor> forward(const Tensor& x, const optional<Tensor>& weight, con
 //   dscale: [B, N, D] in scale's dtype when scale is per-token (Nm == N > 1), else fp32 [B, D]
 //           per-sample sums (the caller sums over B for a shared scale);
 //   dshift: likewise, or empty without shift; dweight, dbias: fp32 [D], or empty when absent.
-std::vector<Tensor> backward(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
-                             const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                             const Tensor& mean, const Tensor& rstd, bool two_kernel, int64_t max_threads,
-                             int64_t stages) {
+std::vector<Tensor> backward_rows(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
+                                  const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                                  const Tensor& mean, const Tensor& rstd, bool two_kernel, int64_t max_threads,
+                                  int64_t stages) {
   check_x(x, "x");
   check_x(dy, "dy");
   const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
@@ -222,21 +222,123 @@ std::vector<Tensor> backward(const Tensor& dy, const Tensor& x, const optional<T
   return {dx, dscale, dshift, dweight, dbias};
 }
 
+// ---------------------------------------------------------------------------------------------
+// The op's CUDA body: its arguments as the public op receives them (validated by the Python layer,
+// adaln_modulate.check_inputs), turned into the [B, N, D] row views above. Done here rather than in
+// Python because each Python tensor call costs host time on every launch.
+
+// `t` left-padded with 1s to x's rank.
+Tensor padded_to(const Tensor& t, const Tensor& x) {
+  if (t.dim() == x.dim()) return t;
+  std::vector<int64_t> shape(x.dim() - t.dim(), 1);
+  shape.insert(shape.end(), t.sizes().begin(), t.sizes().end());
+  return t.reshape(shape);
+}
+
+// A modulation of x's rank with a token dim other than 1 (per-token); 2-D x has no token dims.
+bool per_token(const Tensor& padded) {
+  for (int64_t i = 1; i + 1 < padded.dim(); ++i)
+    if (padded.size(i) != 1) return true;
+  return false;
+}
+
+// One dtype for scale and shift: theirs when they agree and it is x's or float32, else float32. A
+// per-token modulation broadcast over a batch > 1 also goes float32: its per-element gradients are
+// summed over the batch afterwards, and should be rounded once, after the sum.
+at::ScalarType mod_dtype(const Tensor& x, const Tensor& scale, const optional<Tensor>& shift) {
+  const at::ScalarType st = scale.scalar_type();
+  if ((shift.has_value() && shift->scalar_type() != st) || (st != x.scalar_type() && st != at::kFloat))
+    return at::kFloat;
+  for (const Tensor* t : {&scale, shift.has_value() ? &*shift : nullptr}) {
+    if (t == nullptr) continue;
+    const Tensor p = padded_to(*t, x);
+    if (x.size(0) > 1 && p.size(0) == 1 && per_token(p)) return at::kFloat;
+  }
+  return st;
+}
+
+// Modulation `t` as a [B or 1, N or 1, D] view of x viewed as [B, N, D] in dtype `dt`: no copy unless
+// the token dims of a per-token modulation do not collapse to one stride or D is not unit-stride.
+Tensor modulation_rows(const Tensor& t, const Tensor& x, at::ScalarType dt) {
+  const Tensor p = padded_to(t.to(dt), x);
+  const int64_t D = x.size(-1);
+  const Tensor rows = p.reshape({p.size(0), per_token(p) ? x.numel() / (x.size(0) * D) : 1, D});
+  return D == 1 || rows.stride(-1) == 1 ? rows : rows.contiguous();
+}
+
+optional<Tensor> affine_f32(const optional<Tensor>& t) {
+  if (!t.has_value()) return c10::nullopt;
+  return t->to(at::kFloat).contiguous();
+}
+
+std::vector<int64_t> stat_shape(const Tensor& x) { return {x.sizes().begin(), x.sizes().end() - 1}; }
+
+// y = LayerNorm(x) * (1 + scale) + shift in out_dtype, and the fp32 per-row mean and rstd.
+std::tuple<Tensor, Tensor, Tensor> op_forward(const Tensor& x, const optional<Tensor>& weight,
+                                              const optional<Tensor>& bias, const Tensor& scale,
+                                              const optional<Tensor>& shift, double eps, at::ScalarType out_dtype,
+                                              int64_t max_threads, int64_t stages) {
+  const int64_t B = x.size(0), D = x.size(-1);
+  const at::ScalarType mt = mod_dtype(x, scale, shift);
+  optional<Tensor> shift_rows;
+  if (shift.has_value()) shift_rows = modulation_rows(*shift, x, mt);
+  auto out = forward_rows(x.contiguous().view({B, -1, D}), affine_f32(weight), affine_f32(bias), modulation_rows(scale, x, mt),
+                          shift_rows, eps, out_dtype != x.scalar_type(), max_threads, stages);
+  Tensor y = out[0];
+  if (out_dtype != x.scalar_type() && out_dtype != at::kFloat) y = y.to(out_dtype);
+  return {y.view(x.sizes()), out[1].view(stat_shape(x)), out[2].view(stat_shape(x))};
+}
+
+// A kernel gradient of modulation `t` ([B, N, D] per element or [B, D] per-sample sums), summed over
+// the dims where `t` broadcasts, in t's shape and dtype.
+Tensor mod_grad(Tensor g, const Tensor& t, const Tensor& x) {
+  if (padded_to(t, x).size(0) == 1 && g.size(0) != 1) g = g.sum(at::IntArrayRef{0}, /*keepdim=*/true, at::kFloat);
+  return g.reshape(t.sizes()).to(t.scalar_type());
+}
+
+Tensor or_empty(const optional<Tensor>& g, const Tensor& x) { return g.has_value() ? *g : x.new_empty({0}); }
+
+// (dx, dweight, dbias, dscale, dshift) in each input's shape and dtype; an absent input's gradient
+// is an empty [0] tensor.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> op_backward(
+    const Tensor& dy_in, const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
+    const Tensor& scale, const optional<Tensor>& shift, const Tensor& mean, const Tensor& rstd, bool two_kernel,
+    int64_t max_threads, int64_t stages) {
+  const int64_t B = x.size(0), D = x.size(-1);
+  const Tensor dy = dy_in.scalar_type() == x.scalar_type() || dy_in.scalar_type() == at::kFloat ? dy_in : dy_in.to(at::kFloat);
+  const at::ScalarType mt = mod_dtype(x, scale, shift);
+  optional<Tensor> shift_rows;
+  if (shift.has_value()) shift_rows = modulation_rows(*shift, x, mt);
+  auto g = backward_rows(dy.contiguous().view({B, -1, D}), x.contiguous().view({B, -1, D}), affine_f32(weight),
+                         affine_f32(bias), modulation_rows(scale, x, mt), shift_rows,
+                         mean.to(at::kFloat).contiguous().view(-1), rstd.to(at::kFloat).contiguous().view(-1),
+                         two_kernel, max_threads, stages);
+  optional<Tensor> dweight, dbias, dshift;
+  if (weight.has_value()) dweight = g[3].to(weight->scalar_type());
+  if (bias.has_value()) dbias = g[4].to(bias->scalar_type());
+  if (shift.has_value()) dshift = mod_grad(g[2], *shift, x);
+  return {g[0].view(x.sizes()), or_empty(dweight, x), or_empty(dbias, x), mod_grad(g[1], scale, x), or_empty(dshift, x)};
+}
+
 }  // namespace
 }  // namespace adaln
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused LayerNorm -> adaptive modulation CUDA kernels (adaptiveload)";
-  m.def("forward", &adaln::forward,
-        "y, mean, rstd = forward(x[B,N,D], weight?, bias?, scale, shift?, eps, out_fp32, max_threads, stages)",
+  m.def("forward", &adaln::op_forward,
+        "y, mean, rstd = forward(x[B,...,D], weight?, bias?, scale, shift?, eps, out_dtype, max_threads, stages): "
+        "the CUDA body of adaptiveload::adaln_modulate (inputs validated by the caller)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"), py::arg("eps"),
-        py::arg("out_fp32"), py::arg("max_threads") = 0, py::arg("stages") = 0);
-  m.def("backward", &adaln::backward,
-        "dx, dscale, dshift, dweight, dbias = backward(dy, x, weight?, bias?, scale, shift?, mean, rstd, two_kernel, "
-        "max_threads, stages)",
+        py::arg("out_dtype"), py::arg("max_threads") = 0, py::arg("stages") = -1);
+  m.def("backward", &adaln::op_backward,
+        "dx, dweight, dbias, dscale, dshift = backward(dy, x, weight?, bias?, scale, shift?, mean, rstd, "
+        "two_kernel, max_threads, stages): the CUDA body of adaptiveload::adaln_modulate_backward",
         py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"),
         py::arg("mean"), py::arg("rstd"), py::arg("two_kernel") = false,
-        py::arg("max_threads") = 0, py::arg("stages") = 0);
+        py::arg("max_threads") = 0, py::arg("stages") = -1);
+  m.def("modulation_rows", [](const at::Tensor& t, const at::Tensor& x) { return adaln::modulation_rows(t, x, t.scalar_type()); },
+        "the [B or 1, N or 1, D] row view of modulation t that the kernels read for x (a copy only where the "
+        "token dims do not collapse to one stride or D is not unit-stride)", py::arg("t"), py::arg("x"));
   m.def("max_features", [](const std::string& dtype) {
     return adaln::max_features(dtype == "float32" ? adaln::DType::F32 : adaln::DType::BF16);
   }, "largest D the kernels take for x of this dtype ('float32', 'bfloat16', 'float16')");

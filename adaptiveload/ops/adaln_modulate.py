@@ -9,7 +9,6 @@ falling back to the reference with one warning when they cannot be built).
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional
 
@@ -195,18 +194,14 @@ adaln_modulate.register_autograd(_backward, setup_context=_setup_context)
 
 # ---------------------------------------------------------------------------------------------
 # CUDA implementation: the csrc/ kernels (built on first use by ``extension``), else the reference.
-# The kernels take x as a contiguous [B, N, D] and each modulation as a [B or 1, N or 1, D] view
-# with unit stride along D (its batch and token strides are passed, so a .chunk() view is not
-# copied); float64 inputs and rows wider than the kernels' limit use the reference.
+# The extension's ``forward`` / ``backward`` take the op's own arguments and do the per-call layout
+# work in C++ (x as a contiguous [B, N, D]; each modulation as a [B or 1, N or 1, D] view with unit
+# stride along D, its batch and token strides passed, so a .chunk() view is not copied; dtype casts;
+# output views), which costs far less host time per launch than the same tensor calls from Python.
+# float64 inputs and rows wider than the kernels' limit use the reference.
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_FEATURES = 16384  # widest row the kernels take (csrc/adaln_modulate.cuh: kMaxFeatures)
-
-
-@functools.lru_cache(maxsize=4096)
-def _layout(mod_shape: torch.Size, x_shape: torch.Size) -> str:
-    """:func:`modulation_layout`, memoised: the CUDA path classifies the same shapes on every call."""
-    return modulation_layout(mod_shape, x_shape)
 
 
 def _max_threads() -> int:
@@ -249,19 +244,6 @@ def _two_kernel_backward() -> bool:
     return os.environ.get("ADAPTIVELOAD_BWD", "") == "two_kernel"
 
 
-def _as_rows(t: Tensor, x_shape: torch.Size) -> Tensor:
-    """Modulation ``t`` as a [B or 1, N or 1, D] view of x viewed as [B, N, D]: no copy unless the
-    token dims of a per-token modulation do not collapse to one stride or D is not unit-stride."""
-    D = x_shape[-1]
-    N = 1
-    for size in x_shape[1:-1]:
-        N *= size
-    padded = t.reshape([1] * (len(x_shape) - t.dim()) + list(t.shape))
-    tokens = N if _layout(t.shape, x_shape) == PER_TOKEN else 1
-    rows = padded.reshape(padded.shape[0], tokens, D)
-    return rows if D == 1 or rows.stride(-1) == 1 else rows.contiguous()
-
-
 def _kernel_module(x: Tensor, *others: Optional[Tensor]):
     """The kernel module when the kernels apply to these inputs, else None (reference path)."""
     if x.numel() == 0 or x.shape[-1] > _MAX_FEATURES:
@@ -271,64 +253,14 @@ def _kernel_module(x: Tensor, *others: Optional[Tensor]):
     return extension.kernels()
 
 
-def _batch_rows(t: Tensor, x_shape: torch.Size) -> int:
-    """How many batch rows ``t`` has once left-padded to x's rank (1 or B)."""
-    return t.shape[0] if t.dim() == len(x_shape) else 1
-
-
-def _mod_dtype(x: Tensor, scale: Tensor, shift: Optional[Tensor]) -> torch.dtype:
-    """One dtype for scale and shift: theirs when they agree and it is x's or float32, else float32.
-    A per-token modulation broadcast over a batch > 1 also goes float32: its per-element gradients
-    are summed over the batch afterwards, and should be rounded once, after the sum."""
-    dtypes = {t.dtype for t in (scale, shift) if t is not None}
-    if len(dtypes) != 1 or not dtypes <= {x.dtype, torch.float32}:
-        return torch.float32
-    for t in (scale, shift):
-        if (
-            t is not None
-            and x.shape[0] > 1
-            and _batch_rows(t, x.shape) == 1
-            and _layout(t.shape, x.shape) == PER_TOKEN
-        ):
-            return torch.float32
-    return dtypes.pop()
-
-
-def _affine_f32(t: Optional[Tensor]) -> Optional[Tensor]:
-    return None if t is None else t.to(torch.float32).contiguous()
-
-
 @adaln_modulate.register_kernel("cuda")
 def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
     check_inputs(x, weight, bias, scale, shift, out_dtype)
     ops = _kernel_module(x, weight, bias, scale, shift)
     if ops is None:
         return reference.forward(x, weight, bias, scale, shift, eps, out_dtype)
-    B, D = x.shape[0], x.shape[-1]
-    x3 = x.contiguous().view(B, -1, D)
-    mt = _mod_dtype(x, scale, shift)
-    y, mean, rstd = ops.forward(
-        x3,
-        _affine_f32(weight),
-        _affine_f32(bias),
-        _as_rows(scale.to(mt), x.shape),
-        None if shift is None else _as_rows(shift.to(mt), x.shape),
-        float(eps),
-        out_dtype != x.dtype,
-        _max_threads(),
-        _ring_stages("ADAPTIVELOAD_FWD_STAGES"),
-    )
-    if out_dtype not in (x.dtype, torch.float32):
-        y = y.to(out_dtype)
-    return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
-
-
-def _mod_grad(g: Tensor, t: Tensor, x_shape: torch.Size) -> Tensor:
-    """Kernel gradient of a modulation ([B, N, D] per element or [B, D] per-sample sums) summed
-    over the dims where ``t`` broadcasts, in ``t``'s shape and dtype."""
-    if _batch_rows(t, x_shape) == 1 and g.shape[0] != 1:
-        g = g.sum(dim=0, keepdim=True, dtype=torch.float32)
-    return g.reshape(t.shape).to(t.dtype)
+    return ops.forward(x, weight, bias, scale, shift, float(eps), out_dtype, _max_threads(),
+                       _ring_stages("ADAPTIVELOAD_FWD_STAGES"))
 
 
 @adaln_modulate_backward.register_kernel("cuda")
@@ -337,27 +269,5 @@ def _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd)
     if ops is None or dy.dtype == torch.float64:
         grads = reference.backward(dy, x, weight, bias, scale, shift, mean, rstd)
         return tuple(_or_empty(g, x) for g in grads)
-    B, D = x.shape[0], x.shape[-1]
-    if dy.dtype not in (x.dtype, torch.float32):
-        dy = dy.float()
-    mt = _mod_dtype(x, scale, shift)
-    dx, dscale, dshift, dweight, dbias = ops.backward(
-        dy.contiguous().view(B, -1, D),
-        x.contiguous().view(B, -1, D),
-        _affine_f32(weight),
-        _affine_f32(bias),
-        _as_rows(scale.to(mt), x.shape),
-        None if shift is None else _as_rows(shift.to(mt), x.shape),
-        mean.to(torch.float32).contiguous().view(-1),
-        rstd.to(torch.float32).contiguous().view(-1),
-        _two_kernel_backward(),
-        _max_threads(),
-        _ring_stages("ADAPTIVELOAD_BWD_STAGES"),
-    )
-    return (
-        dx.view(x.shape),
-        _or_empty(None if weight is None else dweight.to(weight.dtype), x),
-        _or_empty(None if bias is None else dbias.to(bias.dtype), x),
-        _mod_grad(dscale, scale, x.shape),
-        _or_empty(None if shift is None else _mod_grad(dshift, shift, x.shape), x),
-    )
+    return ops.backward(dy, x, weight, bias, scale, shift, mean, rstd, _two_kernel_backward(), _max_threads(),
+                        _ring_stages("ADAPTIVELOAD_BWD_STAGES"))

@@ -4,7 +4,6 @@ GPU), registration checks (opcheck, gradcheck), accuracy against the eager chain
 aliasing, determinism, >2^31-element tensors, and training through the compile backend."""
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
@@ -16,7 +15,6 @@ from hypothesis import strategies as st
 import adaptiveload  # noqa: F401  (registers torch.ops.adaptiveload.*)
 from adaptiveload.ops import extension
 
-op_module = importlib.import_module("adaptiveload.ops.adaln_modulate")
 
 EPS = 1e-6
 LAYOUTS = ("per-sample", "per-token", "shared", "strided-per-sample", "strided-per-token", "batch1-per-token")
@@ -296,20 +294,6 @@ def test_max_threads_setting(monkeypatch):
             _max_threads()
 
 
-def test_modulation_rows_view_strided_chunks_without_copy():
-    x_shape = torch.Size([2, 5, 8])
-    emb = torch.randn(2, 6 * 8)
-    scale = emb.chunk(6, dim=-1)[2].unsqueeze(1)
-    rows = op_module._as_rows(scale, x_shape)
-    assert rows.data_ptr() == scale.data_ptr() and rows.shape == (2, 1, 8) and rows.stride() == (48, 8, 1)
-    per_token = torch.randn(2, 5, 16).chunk(2, dim=-1)[1]
-    rows = op_module._as_rows(per_token, x_shape)
-    assert rows.data_ptr() == per_token.data_ptr() and rows.stride() == (80, 16, 1)
-    grid = torch.randn(2, 8, 3, 4).permute(0, 2, 3, 1)  # per-token over [3, 4] tokens, D strided
-    rows = op_module._as_rows(grid, torch.Size([2, 3, 4, 8]))
-    assert rows.shape == (2, 12, 8) and rows.stride(-1) == 1 and torch.equal(rows.view(2, 3, 4, 8), grid)
-
-
 # ---------------------------------------------------------------------------------------------
 # GPU: the csrc/ kernels (skipped without CUDA)
 
@@ -320,6 +304,26 @@ def kernels():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("ADAPTIVELOAD_REQUIRE_KERNEL", "1")
         yield extension.kernels()
+
+
+@pytest.mark.cuda
+def test_modulation_rows_view_strided_chunks_without_copy(kernels):
+    """The kernels read a .chunk() of an embedding in place (its strides passed, no copy); per-token
+    modulation over several token dims collapses them, copying only where D is not unit-stride."""
+    x = torch.empty(2, 5, 8, device="cuda")
+    emb = torch.randn(2, 6 * 8, device="cuda")
+    scale = emb.chunk(6, dim=-1)[2].unsqueeze(1)
+    rows = kernels.modulation_rows(scale, x)
+    assert rows.data_ptr() == scale.data_ptr() and rows.shape == (2, 1, 8) and rows.stride() == (48, 8, 1)
+    per_token = torch.randn(2, 5, 16, device="cuda").chunk(2, dim=-1)[1]
+    rows = kernels.modulation_rows(per_token, x)
+    assert rows.data_ptr() == per_token.data_ptr() and rows.stride() == (80, 16, 1)
+    shared = torch.randn(8, device="cuda")
+    rows = kernels.modulation_rows(shared, x)
+    assert rows.data_ptr() == shared.data_ptr() and rows.shape == (1, 1, 8)
+    grid = torch.randn(2, 8, 3, 4, device="cuda").permute(0, 2, 3, 1)  # per-token over [3, 4] tokens, D strided
+    rows = kernels.modulation_rows(grid, torch.empty(2, 3, 4, 8, device="cuda"))
+    assert rows.shape == (2, 12, 8) and rows.stride(-1) == 1 and torch.equal(rows.view(2, 3, 4, 8), grid)
 
 
 @pytest.mark.cuda
@@ -465,7 +469,7 @@ def test_backward_ring_matches_the_register_backward(kernels, monkeypatch, stage
     cases = [(1, 1, 1536, torch.bfloat16, torch.bfloat16), (3, 7, 3072, torch.bfloat16, torch.float32),
              (2, 4099, 5120, torch.bfloat16, torch.bfloat16), (1, 65536, 1536, torch.bfloat16, torch.bfloat16),
              (2, 333, 8, torch.float16, torch.float32), (1, 1000, 16384, torch.bfloat16, torch.bfloat16),
-             (2, 129, 1000, torch.float32, torch.float32)]
+             (2, 129, 1000, torch.float32, torch.float32), (1, 300, 8192, torch.float32, torch.float32)]
     for i, (B, N, D, dtype, dy_dtype) in enumerate(cases):
         mod_dtype = torch.float32 if i % 2 else dtype
         x = torch.randn(B, N, D, device="cuda", generator=gen).to(dtype)
@@ -496,6 +500,8 @@ def test_backward_ring_matches_the_register_backward(kernels, monkeypatch, stage
                                        msg=f"{name} at {where}")
     monkeypatch.delenv("ADAPTIVELOAD_MAX_THREADS")
     check_against_float64((1, 3000, 1536), torch.bfloat16, "per-sample", "per-sample", True, "cuda", 9)
+    check_against_float64((1, 200, 6144), torch.float32, "per-sample", "per-sample", True, "cuda", 10)  # 4 chunks
+    check_against_float64((2, 100, 12288), torch.bfloat16, "per-sample", "shared", True, "cuda", 11)  # two-kernel
     check_against_float64((2, 4099, 3072), torch.bfloat16, "strided-per-sample", "per-sample", True, "cuda", 6,
                           mod_fp32=True)
 
