@@ -224,11 +224,13 @@ std::vector<Tensor> backward_rows(const Tensor& dy, const Tensor& x, const optio
 
 // ---------------------------------------------------------------------------------------------
 // The op's CUDA body: its arguments as the public op receives them (validated by the Python layer,
-// adaln_modulate.check_inputs), turned into the [B, N, D] row views above. Done here rather than in
+// adaln_modulate.check_inputs / check_backward_inputs), turned into the [B, N, D] row views above. Done here rather than in
 // Python because each Python tensor call costs host time on every launch.
 
 // `t` left-padded with 1s to x's rank.
 Tensor padded_to(const Tensor& t, const Tensor& x) {
+  TORCH_CHECK(t.dim() >= 1 && t.dim() <= x.dim(), "adaln_modulate: a modulation of shape ", t.sizes(),
+              " does not broadcast over x of shape ", x.sizes());
   if (t.dim() == x.dim()) return t;
   std::vector<int64_t> shape(x.dim() - t.dim(), 1);
   shape.insert(shape.end(), t.sizes().begin(), t.sizes().end());

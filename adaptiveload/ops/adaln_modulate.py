@@ -93,6 +93,28 @@ def check_inputs(
             raise ValueError(f"adaln_modulate: {_describe(name, t)}: {err}") from None
 
 
+def check_backward_inputs(
+    dy: Tensor,
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    scale: Tensor,
+    shift: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+) -> None:
+    """Validate :func:`adaln_modulate_backward`'s inputs (those of the forward, dy of x's shape and
+    one mean/rstd per row); raise ``ValueError`` naming the offending tensor and its shape."""
+    check_inputs(x, weight, bias, scale, shift, x.dtype)
+    if dy.shape != x.shape or dy.dtype not in _FLOATING:
+        raise ValueError(f"adaln_modulate_backward: {_describe('dy', dy)} must be floating point of x's shape "
+                         f"{list(x.shape)}")
+    for name, t in (("mean", mean), ("rstd", rstd)):
+        if t.shape != x.shape[:-1] or t.dtype not in _FLOATING:
+            raise ValueError(f"adaln_modulate_backward: {_describe(name, t)} must be floating point of shape "
+                             f"{list(x.shape[:-1])} (one per row of x)")
+
+
 @torch.library.custom_op("adaptiveload::adaln_modulate", mutates_args=())
 def adaln_modulate(
     x: Tensor,
@@ -153,13 +175,18 @@ def adaln_modulate_backward(
 
     Returns ``(dx, dweight, dbias, dscale, dshift)`` in each input's own shape and dtype; the
     gradient of an absent weight/bias/shift is an empty tensor of shape [0].
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit (the message names the tensor and its shape).
     """
+    check_backward_inputs(dy, x, weight, bias, scale, shift, mean, rstd)
     grads = reference.backward(dy, x, weight, bias, scale, shift, mean, rstd)
     return tuple(_or_empty(g, x) for g in grads)
 
 
 @adaln_modulate_backward.register_fake
 def _adaln_modulate_backward_fake(dy, x, weight, bias, scale, shift, mean, rstd):
+    check_backward_inputs(dy, x, weight, bias, scale, shift, mean, rstd)
     def like(t):
         return x.new_empty((0,)) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
 
@@ -265,6 +292,7 @@ def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
 
 @adaln_modulate_backward.register_kernel("cuda")
 def _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd):
+    check_backward_inputs(dy, x, weight, bias, scale, shift, mean, rstd)
     ops = _kernel_module(x, weight, bias, scale, shift, mean)
     if ops is None or dy.dtype == torch.float64:
         grads = reference.backward(dy, x, weight, bias, scale, shift, mean, rstd)

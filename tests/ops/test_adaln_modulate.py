@@ -263,6 +263,30 @@ def test_bad_inputs_raise_value_error_naming_the_tensor(kwargs, names):
         assert name in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        (dict(scale=torch.randn(2, 3, 2, 8)), ("scale", "[2, 3, 2, 8]")),  # token dims [3, 2] vs x's [2, 3]
+        (dict(scale=torch.randn(1, 2, 2, 3, 8)), ("scale", "[1, 2, 2, 3, 8]")),  # more dims than x
+        (dict(dy=torch.randn(2, 2, 3, 7)), ("dy", "[2, 2, 3, 7]")),
+        (dict(mean=torch.randn(2, 6)), ("mean", "[2, 6]")),
+        (dict(rstd=torch.randn(2, 2, 3, 1)), ("rstd", "[2, 2, 3, 1]")),
+    ],
+)
+def test_backward_bad_inputs_raise_value_error_naming_the_tensor(kwargs, names):
+    """The backward op checks its inputs too (it is public): a modulation that does not broadcast
+    over x, dy of another shape, statistics not one per row."""
+    args = dict(dy=torch.randn(2, 2, 3, 8), x=torch.randn(2, 2, 3, 8), scale=torch.randn(2, 1, 1, 8),
+                mean=torch.randn(2, 2, 3), rstd=torch.rand(2, 2, 3) + 1)
+    args.update(kwargs)
+    with pytest.raises(ValueError) as info:
+        torch.ops.adaptiveload.adaln_modulate_backward(
+            args["dy"], args["x"], None, None, args["scale"], None, args["mean"], args["rstd"]
+        )
+    for name in names:
+        assert name in str(info.value)
+
+
 @pytest.mark.parametrize("name", ["ADAPTIVELOAD_FWD_STAGES", "ADAPTIVELOAD_BWD_STAGES"])
 def test_ring_stage_setting(monkeypatch, name):
     """Unset: "auto" (-1, the launcher's choice); 0 and 2..8 pass through; anything else names the variable."""
