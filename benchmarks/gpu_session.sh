@@ -14,6 +14,8 @@
 #              D = 1536 / 3072), per-token forward rows, on GPU 0 -> $OUT/ring.log
 #   wide       forward and backward at wide rows (fp32 x D = 3072 / 5120 / 8192, bf16 D = 8192 / 12288 /
 #              16384; x of 512 MiB; default settings) on GPU 0 -> $OUT/wide.log
+#   host       host time of one forward+backward call per implementation (bench_adaln.host_time_us;
+#              compiles Inductor and the backend first, ~1-2 min) on GPU 0 -> $OUT/host.log
 #   ncu        Nsight Compute on GPU 0: speed-of-light, occupancy, launch, warp-state and memory
 #              sections of the forward, one-pass backward and reduce kernels at N = 65536, bf16,
 #              D = 1536 / 3072 / 5120, per-sample fp32 modulation (clocks left alone) -> $OUT/ncu.txt
@@ -170,6 +172,14 @@ for dtype, D in ((torch.float32, 3072), (torch.float32, 5120), (torch.float32, 8
           f"bwd {b:.3f} ms ({100 * sol_b / b:.0f}%)", flush=True)
 PY
   echo "wide: exit $?"; cat "$OUT/wide.log"
+fi
+if want host; then
+  (cd benchmarks && timeout 240 python3 -c "
+import torch, adaptiveload, bench_adaln as b
+us = b.host_time_us(torch.Generator(device='cuda').manual_seed(0))
+print('host us per fwd+bwd call (B=1 N=16 D=1536): ' + ', '.join(f'{k} {v:.0f}' for k, v in us.items()))") \
+    >"$OUT/host.log" 2>&1
+  echo "host: exit $?"; tail -3 "$OUT/host.log"
 fi
 if want ncu; then
   cat >/tmp/ncu_cases.py <<'PY'
