@@ -1,0 +1,146 @@
+"""Op-only timings of the fused LayerNorm -> modulate kernels, one GPU: the `sweep`, `ring`, `wide` and
+`host` stages of benchmarks/gpu_session.sh (which writes each stage's output to $OUT/<stage>.log).
+
+  sweep  forward, one-pass and two-kernel backward at thread caps 256 / 512 (ADAPTIVELOAD_MAX_THREADS)
+  ring   forward and backward by ring slots (ADAPTIVELOAD_FWD_STAGES / _BWD_STAGES = 0, auto, 2, 3, 4, 8)
+         at N = 65536, B = 1 / 2, D = 1536 / 3072 / 5120, bf16 x, fp32 per-sample modulation; by thread
+         cap (512, 256, 128, 64) at D = 1536 / 3072; per-token forward (bf16 rows of a [B, N, 2D] chunk)
+  wide   forward and backward at wide rows (fp32 x D = 3072 / 5120 / 8192, bf16 D = 8192 / 12288 / 16384;
+         x of 512 MiB) with default settings
+  host   host time of one forward+backward call per implementation (bench_adaln.host_time_us)
+
+Times are triton.testing.do_bench medians (ms) and fractions of speed-of-light: bytes that must move
+(per-sample forward 2, backward 3 x-sized tensors; per-token 4 and 6) / measured copy bandwidth.
+Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,host}
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from bench_adaln import copy_bandwidth, host_time_us
+
+EPS = 1e-6
+
+
+def per_sample(B: int, N: int, D: int, dtype: torch.dtype):
+    """x [B, N, D] in dtype, scale and shift [B, 1, D] fp32 (.chunk() views of one [B, 2D] tensor)."""
+    x = torch.randn(B, N, D, device="cuda", dtype=dtype)
+    s, h = (0.1 * torch.randn(B, 2 * D, device="cuda")).chunk(2, -1)
+    return x, s.unsqueeze(1), h.unsqueeze(1)
+
+
+def per_token(B: int, N: int, D: int):
+    """bf16 x [B, N, D], scale and shift [B, N, D] bf16 (.chunk() views of one [B, N, 2D] tensor)."""
+    x = torch.randn(B, N, D, device="cuda", dtype=torch.bfloat16)
+    s, h = (0.1 * torch.randn(B, N, 2 * D, device="cuda", dtype=torch.bfloat16)).chunk(2, -1)
+    return x, s, h
+
+
+def median_ms(tt, fn) -> float:
+    return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def sol_ms(x: torch.Tensor, tensors: int, bw: float) -> float:
+    """Speed-of-light time (ms) of moving `tensors` x-sized tensors at `bw` bytes/s."""
+    return tensors * x.numel() * x.element_size() / bw * 1e3
+
+
+def by_setting(tt, label, fn, sol, var, values):
+    """Median of fn with env var `var` set to each value, as 'value: ms (% SoL)' cells; var is unset after."""
+    cells = []
+    for value in values:
+        os.environ[var] = value
+        ms = median_ms(tt, fn)
+        cells.append(f"{value}: {ms:.3f} ms ({100 * sol / ms:.0f}%)")
+    os.environ.pop(var)
+    print(f"{label}: " + "; ".join(cells), flush=True)
+
+
+def stage_sweep(tt, op, bwd, bw):
+    for B, N, D, pt in [(1, 65536, 1536, False), (1, 65536, 3072, False), (1, 65536, 5120, False),
+                        (1, 16384, 3072, True)]:
+        x, s, h = per_token(B, N, D) if pt else per_sample(B, N, D, torch.bfloat16)
+        dy = torch.randn_like(x)
+        k = 2 if pt else 1
+        solf, solb = sol_ms(x, 2 * k, bw), sol_ms(x, 3 * k, bw)
+        for mt in (256, 512):
+            os.environ["ADAPTIVELOAD_MAX_THREADS"] = str(mt)
+            y, mean, rstd = op(x, None, None, s, h, EPS, torch.bfloat16)
+            f = median_ms(tt, lambda: op(x, None, None, s, h, EPS, torch.bfloat16))
+            os.environ["ADAPTIVELOAD_BWD"] = ""
+            g1 = median_ms(tt, lambda: bwd(dy, x, None, None, s, h, mean, rstd))
+            os.environ["ADAPTIVELOAD_BWD"] = "two_kernel"
+            g2 = median_ms(tt, lambda: bwd(dy, x, None, None, s, h, mean, rstd))
+            os.environ["ADAPTIVELOAD_BWD"] = ""
+            print(f"B={B} N={N} D={D} pt={pt} max_threads={mt}: fwd {f:.3f} ms ({100 * solf / f:.0f}% SoL) "
+                  f"bwd {g1:.3f} ({100 * solb / g1:.0f}%) two-kernel {g2:.3f} ({100 * solb / g2:.0f}%)", flush=True)
+
+
+def stage_ring(tt, op, bwd, bw):
+    for B in (1, 2):
+        for D in (1536, 3072, 5120):
+            x, s, h = per_sample(B, 65536, D, torch.bfloat16)
+            dy = torch.randn_like(x)
+            y, mean, rstd = op(x, None, None, s, h, EPS, torch.bfloat16)
+            fwd = lambda: op(x, None, None, s, h, EPS, torch.bfloat16)  # noqa: E731
+            back = lambda: bwd(dy, x, None, None, s, h, mean, rstd)  # noqa: E731
+            sol_f, sol_b = sol_ms(x, 2, bw), sol_ms(x, 3, bw)
+            stages = ("0", "auto", "2", "3", "4", "8")
+            by_setting(tt, f"B={B} D={D} fwd stages", fwd, sol_f, "ADAPTIVELOAD_FWD_STAGES", stages)
+            by_setting(tt, f"B={B} D={D} bwd stages", back, sol_b, "ADAPTIVELOAD_BWD_STAGES", stages)
+            if D < 5120:  # fewer threads a row, more chunks a thread (the ring at auto)
+                caps = ("512", "256", "128", "64")
+                by_setting(tt, f"B={B} D={D} fwd max_threads", fwd, sol_f, "ADAPTIVELOAD_MAX_THREADS", caps)
+                by_setting(tt, f"B={B} D={D} bwd max_threads", back, sol_b, "ADAPTIVELOAD_MAX_THREADS", caps)
+    for D in (1536, 3072, 5120):  # per-token scale and shift: 4 x-sized moves
+        x, s, h = per_token(1, 65536, D)
+        by_setting(tt, f"B=1 D={D} per-token fwd stages", lambda: op(x, None, None, s, h, EPS, torch.bfloat16),
+                   sol_ms(x, 4, bw), "ADAPTIVELOAD_FWD_STAGES", ("0", "auto", "2", "3", "4"))
+
+
+def stage_wide(tt, op, bwd, bw):
+    for dtype, D in ((torch.float32, 3072), (torch.float32, 5120), (torch.float32, 8192), (torch.bfloat16, 8192),
+                     (torch.bfloat16, 12288), (torch.bfloat16, 16384)):
+        N = (1 << 29) // (D * dtype.itemsize)  # x of 512 MiB
+        x, s, h = per_sample(1, N, D, dtype)
+        dy = torch.randn_like(x)
+        y, mean, rstd = op(x, None, None, s, h, EPS, dtype)
+        f = median_ms(tt, lambda: op(x, None, None, s, h, EPS, dtype))
+        b = median_ms(tt, lambda: bwd(dy, x, None, None, s, h, mean, rstd))
+        sol_f, sol_b = sol_ms(x, 2, bw), sol_ms(x, 3, bw)
+        print(f"{dtype} N={N} D={D} per-sample fp32 modulation: fwd {f:.3f} ms ({100 * sol_f / f:.0f}% SoL), "
+              f"bwd {b:.3f} ms ({100 * sol_b / b:.0f}%)", flush=True)
+
+
+STAGES = {"sweep": stage_sweep, "ring": stage_ring, "wide": stage_wide}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("stage", choices=(*STAGES, "host"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_stages: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    import adaptiveload  # noqa: F401
+
+    if args.stage == "host":
+        us = host_time_us(torch.Generator(device="cuda").manual_seed(0))
+        print("host us per fwd+bwd call (B=1 N=16 D=1536): " + ", ".join(f"{k} {v:.0f}" for k, v in us.items()))
+        return 0
+    import triton.testing as tt
+
+    os.environ["ADAPTIVELOAD_REQUIRE_KERNEL"] = "1"
+    op, bwd = torch.ops.adaptiveload.adaln_modulate, torch.ops.adaptiveload.adaln_modulate_backward
+    bw = copy_bandwidth(tt)
+    print(f"copy {bw / 1e12:.2f} TB/s")
+    STAGES[args.stage](tt, op, bwd, bw)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
