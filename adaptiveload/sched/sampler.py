@@ -342,6 +342,24 @@ class DualConstraintBucketSampler(torch.utils.data.Sampler):
         """Global steps (= batches per rank) in one epoch."""
         return self._batch_counts()[1] // self.num_replicas
 
+    def batch_kinds(self) -> np.ndarray:
+        """int64 [n, 2]: every distinct (bucket, batch size) an epoch's batches can take, on any rank,
+        sorted by bucket then batch size.
+
+        A bucket yields full batches of its batch size and, unless ``drop_last``, one partial batch
+        of the remainder (only that one when the bucket holds fewer samples than its batch size);
+        a dropped bucket yields none. The pairs are the same every epoch: rounding to a multiple of
+        the world size repeats or drops whole batches.
+        """
+        sizes = self.bucket_batch_sizes
+        full, rest = np.divmod(self.bucket_counts, np.maximum(sizes, 1))
+        buckets = np.arange(len(sizes))
+        has_full = (sizes > 0) & (full > 0)
+        has_rest = (sizes > 0) & (rest > 0) & (not self.drop_last)
+        kinds = np.concatenate([np.stack([buckets[has_full], sizes[has_full]], axis=1),
+                                np.stack([buckets[has_rest], rest[has_rest]], axis=1)]).astype(np.int64)
+        return kinds[np.lexsort((kinds[:, 1], kinds[:, 0]))]
+
     def epoch_plan(self, epoch: int | None = None) -> EpochPlan:
         """The full plan of ``epoch`` (default: the current one) for all ranks; identical on every rank."""
         epoch = self.epoch if epoch is None else int(epoch)

@@ -15,7 +15,8 @@ compile of the model costs minutes on two cores), so a CPU baseline compares sam
 Throughput is measured over the same samples for every run: tokens/s = global tokens of all steps ÷
 training wall time (data loading and the step; compile warm-up, evaluation and checkpointing
 excluded). Compile happens before timing: in the quick calibration and in frozen-weight warm-up
-steps, one per graph the run can need (:func:`warm_up_batches`).
+steps, one per kind of batch the sampler yields (:func:`warm_up_batches`); a step that compiled
+anyway is flagged in the history (``compiled``) and listed in ``compile_steps``.
 
 Per step every rank reports its batch, status, wall time and (every ``profile_every``-th step) busy
 time over the control group; see :mod:`adaptiveload.train.metrics` for busy time, compute-load CV
@@ -62,6 +63,19 @@ QUICK_SHAPES = 3  # quick calibration: bucket shapes spread over S
 QUICK_TOKEN_FACTOR = 2  # quick calibration: B*S up to this many longest samples
 CALIBRATION_FILE = "calibration.json"  # the quick calibration, in the output folder
 RESULTS_FORMAT, RESULTS_VERSION = "adaptiveload.train-results", 1  # results.json
+
+
+class _StepRow:
+    """Columns of the row every rank contributes per step (:func:`_one_step`): status (0 ok, 1 out of
+    memory, 2 failed, 3 timed out waiting, 4 non-finite), wall s, busy s, loss, compiled (0/1), B, S,
+    latent T, H, W."""
+    status, wall, busy, loss, compiled, batch_size, seq_len = range(7)
+    latent_shape = slice(7, 10)
+
+
+def _compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 class TrainingFailed(RuntimeError):
@@ -209,32 +223,22 @@ def _evaluate(step: TrainStep, batches: list[Batch]) -> float:
     return float(torch.cat(losses).mean())
 
 
-def warm_up_batches(bucket_keys: np.ndarray, batch_sizes: np.ndarray) -> list[tuple[int, tuple]]:
-    """Batches that compile, before timing, the graphs a run will need: ``(B, latent shape)``, cheapest first.
+def warm_up_batches(bucket_keys: np.ndarray, batch_kinds: np.ndarray) -> list[tuple[int, tuple]]:
+    """Batches that compile, before timing, every graph a run will need: ``(B, latent shape)``, one per
+    kind of batch the sampler yields, cheapest (fewest B·S) first.
 
-    Sizes of 1 are specialised when tracing (:mod:`adaptiveload.train.step`), so graphs come in
-    classes (B = 1 or not) × (single frame or not); Inductor adds size thresholds inside a class
-    (e.g. a fusion decision at some B·S), so each class is compiled on its smallest and its largest
-    batch. B = 1 occurs for every bucket (a bucket's last batch may hold one sample).
+    One per kind, not one per compiled-graph class: Inductor specialises a graph on size thresholds
+    it meets while compiling (a fusion decision above some B·S, 32-bit indexing up to B·S·D < 2^31),
+    so two batches of one class can need two graphs. A two-GPU run that warmed up only each class's
+    smallest and largest batch recompiled inside its timed steps (25-30 s each).
 
     Args:
         bucket_keys: int [k, 3] latent shapes (T, H, W) of the buckets.
-        batch_sizes: int [k] the sampler's batch size of each bucket.
+        batch_kinds: int [n, 2] (bucket, batch size) pairs, as from
+            :meth:`DualConstraintBucketSampler.batch_kinds`.
     """
-    tokens = np.prod(bucket_keys, axis=1)
-    shape = lambda i: tuple(int(v) for v in bucket_keys[i])  # noqa: E731
-    batches = set()
-    for single_frame in (True, False):
-        in_class = np.flatnonzero((bucket_keys[:, 0] == 1) == single_frame)
-        if len(in_class):  # B = 1: the shortest and the longest bucket
-            batches.add((1, shape(in_class[np.argmin(tokens[in_class])])))
-            batches.add((1, shape(in_class[np.argmax(tokens[in_class])])))
-        multi = in_class[batch_sizes[in_class] >= 2]
-        if len(multi):  # B >= 2: two of the shortest, and the batch with the most tokens
-            batches.add((2, shape(multi[np.argmin(tokens[multi])])))
-            largest = multi[np.argmax(tokens[multi] * batch_sizes[multi])]
-            batches.add((int(batch_sizes[largest]), shape(largest)))
-    return sorted(batches, key=lambda b: (b[0] * np.prod(b[1]), b))
+    batches = {(int(size), tuple(int(v) for v in bucket_keys[bucket])) for bucket, size in np.asarray(batch_kinds).tolist()}
+    return sorted(batches, key=lambda b: (b[0] * int(np.prod(b[1])), b))
 
 
 def _warm_up(step: TrainStep, spec, sampler: DualConstraintBucketSampler, ctx: DistContext) -> Optional[str]:
@@ -244,7 +248,7 @@ def _warm_up(step: TrainStep, spec, sampler: DualConstraintBucketSampler, ctx: D
         ``None``, or the message of a warm-up step that failed on some rank (as for a training step:
         every rank stops; out of memory names the bucket and B).
     """
-    plan = warm_up_batches(sampler.bucket_keys, sampler.bucket_batch_sizes)
+    plan = warm_up_batches(sampler.bucket_keys, sampler.batch_kinds())
     batches = (synthetic_batch(spec, batch_size, shape, device=step.device) for batch_size, shape in plan)
     with step.frozen_weights():
         for index in range(len(plan)):
@@ -266,19 +270,20 @@ def _fusion_summary(regions: int) -> dict:
 def _failure_message(rows: np.ndarray, messages: list, step_index: int) -> str:
     parts = []
     for rank, row in enumerate(rows):
-        status = int(row[0])
+        status = int(row[_StepRow.status])
         if status == 0:
             continue
-        shape = "x".join(str(int(v)) for v in row[6:9])
+        shape = "x".join(str(int(v)) for v in row[_StepRow.latent_shape])
         what = {1: "ran out of memory", 2: "failed", 3: "gave up waiting for a failed rank (collective timed out)",
                 4: "got a non-finite loss or gradient"}[status]
-        parts.append(f"rank {rank} {what} on bucket latent {shape} (S={int(row[5]):,}) with B={int(row[4])}"
+        parts.append(f"rank {rank} {what} on bucket latent {shape} (S={int(row[_StepRow.seq_len]):,}) "
+                     f"with B={int(row[_StepRow.batch_size])}"
                      + (f" ({messages[rank]})" if messages[rank] else ""))
     text = f"step {step_index}: " + "; ".join(parts)
-    if (rows[:, 0] == 4).any():
+    if (rows[:, _StepRow.status] == 4).any():
         text += ("; the weights are unchanged; compare the same bucket under --backend eager to tell a "
                  "model problem from a compiler one")
-    if (rows[:, 0] == 1).any():
+    if (rows[:, _StepRow.status] == 1).any():
         text += ("; recalibrate with a smaller memory budget (adaptiveload train --memory-budget-gb ..., or "
                  "adaptiveload calibrate) or turn on activation checkpointing")
     return text
@@ -315,7 +320,7 @@ def train_run(cfg: JobConfig, run: RunSpec, corpus, ctx: DistContext, calibratio
                                   max_seq_len=seq_max, seed=cfg.seed)
     progress = ctx.is_main and not cfg.quiet
     clear_reports()  # fusion reports of this run only
-    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphs_before = _compiled_graphs()
     compile_start = time.perf_counter()
     settings = step_settings(info, step_config, ctx, corpus)
     if calibration is None:
@@ -329,7 +334,7 @@ def train_run(cfg: JobConfig, run: RunSpec, corpus, ctx: DistContext, calibratio
     sampler = make_sampler(run.sampler, plan, corpus, ctx, cfg.seed, run.policy)
     failure = _warm_up(step, spec, sampler, ctx)  # before a resume loads optimizer state (frozen_weights clears it)
     warmup_s = time.perf_counter() - compile_start
-    graphs_warm = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphs_warm = _compiled_graphs()
     # without worker processes the samples are drawn on the training device (data module docstring)
     data_device = ctx.device if cfg.workers == 0 else torch.device("cpu")
     dataset = LatentDataset(corpus.latent_shapes, spec, seed=cfg.seed, device=data_device)
@@ -364,7 +369,7 @@ def train_run(cfg: JobConfig, run: RunSpec, corpus, ctx: DistContext, calibratio
         result["status"], result["error"] = status, error
         result.update(_fusion_summary(step.regions))
         # graphs Dynamo compiled for this run (training buckets, evaluation, calibration): recompiles + 1
-        graphs_now = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        graphs_now = _compiled_graphs()
         result["compiled_graphs"] = graphs_now - graphs_before
         # compiles inside the timed loop (their time counts in tokens/s): warm-up missed a shape class
         result["compiled_graphs_in_training"] = graphs_now - graphs_warm
@@ -435,6 +440,7 @@ def _one_step(step: TrainStep, batches, ctx: DistContext, index: int, profile: b
     seq_len = int(np.prod(shape)) // int(np.prod(step_patch(step)))
     counts = ctx.all_gather([len(batch), len(batch) * seq_len]).sum(axis=0)
     status, message, loss, profiler = 0, "", float("nan"), None
+    graphs_before = _compiled_graphs()
     try:
         if profile:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -459,15 +465,18 @@ def _one_step(step: TrainStep, batches, ctx: DistContext, index: int, profile: b
         step.optimizer.zero_grad(set_to_none=True)
     wall = time.perf_counter() - start
     busy = busy_time_s(profiler, step.device, wall) if profiler is not None and status == 0 else float("nan")
-    rows = ctx.all_gather([status, wall, busy, loss, len(batch), seq_len, *shape]).numpy()
-    if rows[:, 0].max() > 0:
+    compiled = _compiled_graphs() > graphs_before
+    rows = ctx.all_gather([status, wall, busy, loss, float(compiled), len(batch), seq_len, *shape]).numpy()  # columns: _StepRow
+    if rows[:, _StepRow.status].max() > 0:
         return {}, _failure_message(rows, ctx.all_gather_object(message), index)
     record = {
         "global_samples": int(counts[0]), "global_tokens": int(counts[1]),
-        "step_time_s": float(rows[:, 1].max()),
-        "busy_s": None if np.isnan(rows[:, 2]).any() else rows[:, 2].tolist(),
-        "loss": float(rows[:, 3].sum() / counts[0]),
-        "batch_sizes": rows[:, 4].astype(int).tolist(), "seq_lens": rows[:, 5].astype(int).tolist(),
+        "step_time_s": float(rows[:, _StepRow.wall].max()),
+        "busy_s": None if np.isnan(rows[:, _StepRow.busy]).any() else rows[:, _StepRow.busy].tolist(),
+        "loss": float(rows[:, _StepRow.loss].sum() / counts[0]),
+        "compiled": bool(rows[:, _StepRow.compiled].any()),  # a rank compiled a graph here (its time counts)
+        "batch_sizes": rows[:, _StepRow.batch_size].astype(int).tolist(),
+        "seq_lens": rows[:, _StepRow.seq_len].astype(int).tolist(),
         "indices": ctx.all_gather_object(batch.indices.tolist()),
     }
     return record, None
@@ -498,6 +507,7 @@ def _summarize_run(state: RunState, ctx: DistContext, step: TrainStep, total_ste
         # the same over the steps that were not profiled (the profiler's own overhead left out)
         "tokens_per_s_unprofiled": _rate([r for r in history if r["busy_s"] is None]),
         "step_time_s": summarize(r["step_time_s"] for r in history),
+        "compile_steps": [r["step"] for r in history if r.get("compiled")],
         "busy_time_s_per_rank": busy.mean(axis=0).tolist() if busy.size else [],
         **load_balance(busy),
         "peak_memory_bytes_per_rank": peaks if ctx.device.type == "cuda" else None,

@@ -55,6 +55,14 @@ def test_plan_properties(shapes, world, drop_last, policy, epoch):
             assert len(batch) <= expected_b[batch[0]]  # never over the rule's batch size
             np.add.at(counts, batch, 1)
     np.testing.assert_array_equal(plans[0].sample_counts(len(s)), counts)
+    # the (bucket, B) kinds a run warms up on: every batch of the epoch is one of them, and without
+    # drop_last every kind occurs (no batch is dropped); recomputed here from the samples themselves
+    plan = plans[0]
+    ids = plan.step_batches.reshape(-1)
+    seen = {(int(k), int(b)) for k, b in zip(plan.batch_bucket[ids], plan.batch_size[ids])}
+    kinds = {tuple(kind) for kind in samplers[0].batch_kinds().tolist()}
+    assert seen <= kinds and (drop_last or seen == kinds)
+    assert all(b >= 1 for _, b in kinds)
     if drop_last:
         assert counts.max(initial=0) <= 1  # no sample twice: batches of different ranks are disjoint
     else:
@@ -62,6 +70,20 @@ def test_plan_properties(shapes, world, drop_last, policy, epoch):
         # extra uses only from whole repeated batches: at most W - 1 of them
         repeats = sum(len(b) for y in yielded for b in y) - len(s)
         assert counts.sum() - len(s) == repeats and repeats <= (world - 1) * expected_b.max()
+
+
+def test_batch_kinds_hand_computed():
+    """Buckets of 5 / 2 / 4 samples at S = 100 / 300 / 700 with m_mem = 800 tokens: B = 8 / 2 / 1.
+    Kinds: bucket 0 one partial batch of 5 (fewer samples than B), bucket 1 a full batch of 2,
+    bucket 2 full batches of 1; drop_last keeps only full batches."""
+    shapes = np.array([100] * 5 + [300] * 2 + [700] * 4)
+    assert DualConstraintBucketSampler(shapes, m_mem=800, num_replicas=1, rank=0).batch_kinds().tolist() == [
+        [0, 5], [1, 2], [2, 1]]
+    assert DualConstraintBucketSampler(shapes, m_mem=800, num_replicas=1, rank=0,
+                                       drop_last=True).batch_kinds().tolist() == [[1, 2], [2, 1]]
+    # 7 samples of S = 300 at B = 2: full batches of 2 and a partial batch of 1
+    assert DualConstraintBucketSampler([300] * 7, m_mem=600, num_replicas=1, rank=0).batch_kinds().tolist() == [
+        [0, 1], [0, 2]]
 
 
 def test_exactly_once_when_batches_divide():

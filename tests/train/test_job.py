@@ -50,6 +50,8 @@ def _check_run(run, world_size, steps):
     assert run["model"]["name"] == "tiny" and run["model"]["parameters"] > 0 and run["model"]["modulate_sites"] == 5
     assert run["warmup_s"] > 0 and run["compiled_graphs"] >= run["compiled_graphs_in_training"] >= 0
     assert run["tokens_per_s_unprofiled"] > 0
+    assert all(isinstance(h["compiled"], bool) for h in history)
+    assert run["compile_steps"] == [h["step"] for h in history if h["compiled"]]
 
 
 def test_default_cpu_run_end_to_end(tmp_path, run_cli):
@@ -66,7 +68,7 @@ def test_default_cpu_run_end_to_end(tmp_path, run_cli):
     # per forward: 2 chains in each of the 2 compiled blocks; the head's chain runs in the eager root
     assert run["fused_chains"] == run["seen_chains"] == 4
     assert 1 <= run["compiled_graphs"] <= 2  # blocks: one graph per batch-size class (B = 1 or not), not per bucket
-    assert run["compiled_graphs_in_training"] == 0  # all compiled in warm-up
+    assert run["compiled_graphs_in_training"] == 0 and run["compile_steps"] == []  # all compiled in warm-up
     assert run["compute_load_cv"] == 0 and run["idle_fraction"] == 0  # one rank
     assert (out / "calibration.json").is_file() and (out / "results.png").is_file()
     for label in ("tokens/s", "compute-load CV", "idle fraction", "peak memory GiB", "fused chains / seen",
@@ -209,17 +211,15 @@ def test_bad_manifest_row_is_named(tmp_path, run_cli):
     assert proc.returncode == 2 and "bad.csv" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_warm_up_batches_cover_every_size_class_at_both_ends():
+def test_warm_up_batches_one_per_batch_kind_cheapest_first():
     from adaptiveload.train.job import warm_up_batches
 
-    keys = np.array([[1, 4, 4], [1, 8, 8], [3, 4, 4], [5, 8, 8], [2, 8, 8]])
-    # images: B = 1 on the smallest and the largest image bucket, B = 2 on the smallest, and the
-    # biggest image batch (8 x 16 tokens); videos: B = 1 on the shortest and the longest video,
-    # B = 2 on the only video bucket that takes two samples (also its biggest batch)
-    assert warm_up_batches(keys, np.array([8, 1, 1, 1, 2])) == [
-        (1, (1, 4, 4)), (2, (1, 4, 4)), (1, (3, 4, 4)), (1, (1, 8, 8)), (8, (1, 4, 4)), (2, (2, 8, 8)), (1, (5, 8, 8))]
-    # no bucket takes two samples: B = 1 only
-    assert warm_up_batches(keys, np.ones(5, dtype=int)) == [(1, (1, 4, 4)), (1, (3, 4, 4)), (1, (1, 8, 8)), (1, (5, 8, 8))]
+    keys = np.array([[1, 4, 4], [1, 8, 8], [3, 4, 4]])
+    # bucket 0: full batches of 8 and a partial one of 3; bucket 1: B = 1; bucket 2: B = 2 and 1.
+    # B * T*H*W: 8*16 = 128, 3*16 = 48, 1*64 = 64, 2*48 = 96, 1*48 = 48 (ties by (B, shape))
+    kinds = np.array([[0, 8], [0, 3], [1, 1], [2, 2], [2, 1]])
+    assert warm_up_batches(keys, kinds) == [(1, (3, 4, 4)), (3, (1, 4, 4)), (1, (1, 8, 8)), (2, (3, 4, 4)), (8, (1, 4, 4))]
+    assert warm_up_batches(keys, np.zeros((0, 2), dtype=np.int64)) == []
 
 
 def test_a_calibration_of_another_setup_is_warned_about(caplog):
@@ -241,3 +241,35 @@ def test_a_calibration_of_another_setup_is_warned_about(caplog):
     _warn_if_calibrated_otherwise(calibration, dict(calibration.settings))  # the same setup: silent
     _warn_if_calibrated_otherwise(load_calibration("anchors-wan1.3b"), run)  # built-in
     assert not caplog.records
+
+
+def test_a_step_that_compiles_is_flagged():
+    """_one_step flags a step during which Dynamo compiled a graph (its time counts in tokens/s): the
+    first call of a compiled function at a new shape class compiles, the same shape again does not."""
+    from types import SimpleNamespace
+
+    from adaptiveload.train.data import Batch
+    from adaptiveload.train.distributed import DistContext
+    from adaptiveload.train.job import _one_step
+
+    torch._dynamo.reset()
+    square_sum = torch.compile(lambda x: (x * x).sum(), backend="eager", dynamic=False)
+
+    class Step:  # the parts of TrainStep that _one_step uses
+        device = torch.device("cpu")
+        module = SimpleNamespace(config=SimpleNamespace(patch_size=(1, 1, 1)))
+        optimizer = None
+
+        def __call__(self, batch, global_samples):
+            return square_sum(batch.latents) / global_samples
+
+        def synchronize(self):
+            pass
+
+    def batch(b, t):
+        latents = torch.ones(b, 1, t, 2, 2)
+        return Batch(torch.arange(b), latents, torch.zeros(b, 1, 1), latents, torch.zeros(b))
+
+    batches = iter([batch(2, 3), batch(2, 3), batch(2, 5)])
+    flags = [_one_step(Step(), batches, DistContext(), i, profile=False)[0]["compiled"] for i in range(3)]
+    assert flags == [True, False, True]  # static shapes: a new T compiles again
