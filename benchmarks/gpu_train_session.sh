@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU measurements of `adaptiveload train` (issue 5), one phase per device call:
-#   bash benchmarks/gpu_train_session.sh x2   # two H200 under torchrun with FSDP2: baseline, dual, cost_grouped
+#   bash benchmarks/gpu_train_session.sh x2   # two H200 under torchrun with FSDP2: baseline, adaptiveload + equal-token,
+#                                             # dual, cost_grouped
 #   bash benchmarks/gpu_train_session.sh x1   # one H200 each: eager/inductor/adaptiveload + equal-token, adaptiveload + dual
 #   bash benchmarks/gpu_train_session.sh x1pair  # Inductor and adaptiveload equal-token runs of x1 side by side, one per GPU
 #   bash benchmarks/gpu_train_session.sh all  # x2, then x1pair (SAMPLES_X1)
@@ -12,7 +13,8 @@
 # into $OUT/<phase>.tgz after every run (checkpoints are off); Dynamo recompiles and their reasons go to
 # the run logs. Keep CAP times the number of runs, plus ~90 s of install and build, under the call's limit.
 # ONLY="x2_baseline x2_dual" runs a subset of a phase; BUDGET_GB (default 120) sets --memory-budget-gb;
-# EXTRA holds more arguments for every run (e.g. EXTRA=--drop-oversized).
+# EXTRA holds more arguments for every run (e.g. EXTRA=--drop-oversized). START_BY=S skips the runs that
+# would start more than S seconds into the call (so a run the call's limit would cut off is not begun).
 # A first run on a bare machine compiles cold (about 2.5 min of start-up and warm-up for the 10-layer model under torchrun); later runs hit the cache.
 set -u
 PHASE=${1:?x1, x2, x1pair, all or calib}
@@ -35,6 +37,9 @@ pack() {  # everything so far into $OUT/<phase>.tgz (replaced whole), so a cut-o
 logged() {  # name, then a whole command: run it under `timeout $CAP`, log it, pack; ONLY="name ..." runs just those
   local name=$1; shift
   [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]] && return
+  if [[ -n "${START_BY:-}" ]] && (( SECONDS > START_BY )); then
+    echo "== $name: skipped, ${SECONDS}s into the call is past START_BY=$START_BY" | tee -a "$RUNS/commands.txt"; return
+  fi
   echo "== $name: $*" | tee -a "$RUNS/commands.txt"
   timeout "$CAP" "$@" > "$RUNS/$name.log" 2>&1
   echo "   exit $? after ${SECONDS}s" | tee -a "$RUNS/commands.txt"
@@ -48,6 +53,7 @@ ONE=(python -m adaptiveload train)
 CAL=(python -m adaptiveload calibrate --preset wan2.1-1.3b --num-layers 10 --backend adaptiveload)
 x2_runs() {
   train x2_baseline "${TORCHRUN[@]}" --backend inductor --sampler equal
+  train x2_adaptiveload_equal "${TORCHRUN[@]}" --backend adaptiveload --sampler equal
   train x2_dual "${TORCHRUN[@]}" --backend adaptiveload --sampler dual --policy random
   train x2_cost_grouped "${TORCHRUN[@]}" --backend adaptiveload --sampler dual --policy cost_grouped
 }

@@ -9,6 +9,13 @@ Each run is compared with the first run of the same world size given (give the b
 Prints a markdown table and writes it with a JSON summary (per run: device, torch version, date, the
 exact `adaptiveload train` command rebuilt from the run's config, and the numbers) to
 ``<out-dir>/<stem>.md`` and ``.json``.
+
+A second table checks each run's steps against its calibration's cost model (when the calibration
+file the run names can be read): the step of every rank predicted as ``cost_model.predict(B, S)``, a
+step's prediction the slowest rank's. It lists the measured and simulated median step time, the
+steps that took over ``--slow-factor`` times their prediction and at least ``--slow-min-s`` seconds
+more (a compile, or a first run of a shape), and tokens/s with those steps at their predicted time:
+an estimate, labelled as one.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import os
 import sys
 
 from adaptiveload.jsonfile import check_header
+from adaptiveload.sched.presets import load_calibration
 from adaptiveload.train.job import RESULTS_FORMAT, RESULTS_VERSION
 from results_file import run_context, write_json_and_markdown
 
@@ -25,8 +33,8 @@ GIB = 2**30
 # flags of `adaptiveload train` rebuilt into each run's command, in this order (config key, flag)
 FLAGS = (("preset", "--preset"), ("num_layers", "--num-layers"), ("samples", "--samples"), ("seed", "--seed"),
          ("calibration", "--calibration"), ("memory_budget_gb", "--memory-budget-gb"), ("m_mem", "--m-mem"),
-         ("drop_oversized", "--drop-oversized"), ("backend", "--backend"), ("sampler", "--sampler"),
-         ("policy", "--policy"))
+         ("drop_oversized", "--drop-oversized"), ("activation_checkpointing", "--activation-checkpointing"),
+         ("backend", "--backend"), ("sampler", "--sampler"), ("policy", "--policy"))
 
 
 def train_command(doc: dict) -> str:
@@ -39,7 +47,7 @@ def train_command(doc: dict) -> str:
     return " ".join([head, *args])
 
 
-def summarize(path: str) -> dict:
+def summarize(path: str, slow_factor: float, slow_min_s: float) -> dict:
     """One row per run of a results file."""
     with open(path) as f:
         doc = json.load(f)
@@ -63,9 +71,31 @@ def summarize(path: str) -> dict:
             "eval_loss_first": run["eval_loss"][0][1] if run.get("eval_loss") else None,
             "eval_loss_last": run.get("final_eval_loss"), "error": run.get("error"),
             "fused_chains": run.get("fused_chains"), "compiled_graphs_in_training": run.get("compiled_graphs_in_training"),
-            "plan_m_mem": run["plan"]["m_mem"],
+            "plan_m_mem": run["plan"]["m_mem"], "step_time_median_s": (run.get("step_time_s") or {}).get("median"),
+            "compile_steps": run.get("compile_steps"),
+            **_step_check(run, doc.get("calibration"), slow_factor, slow_min_s),
         })
     return rows
+
+
+def _step_check(run: dict, calibration, slow_factor: float, slow_min_s: float) -> dict:
+    """Steps over ``slow_factor`` times the calibration's prediction and ``slow_min_s`` above it, and
+    tokens/s with them at the prediction; empty when the run's calibration file cannot be read."""
+    try:
+        cost_model = load_calibration(calibration).cost_model
+    except (FileNotFoundError, ValueError, TypeError):
+        return {}
+    history = run.get("history") or []
+    slow, wall = [], 0.0
+    for h in history:
+        predicted = float(max(cost_model.predict(h["batch_sizes"], h["seq_lens"])))
+        if h["step_time_s"] > max(slow_factor * predicted, predicted + slow_min_s):
+            slow.append({"step": h["step"], "measured_s": h["step_time_s"], "predicted_s": predicted})
+            wall += predicted
+        else:
+            wall += h["step_time_s"]
+    tokens = sum(h["global_tokens"] for h in history)
+    return {"slow_steps": slow, "tokens_per_s_slow_steps_at_model": tokens / wall if wall > 0 else None}
 
 
 def _predicted(run: dict):
@@ -85,11 +115,33 @@ def table(rows: list[dict], simulated: dict) -> str:
         cv_text = f"{r['compute_load_cv']:.3f}" + (f" ({sim['cv']:.3f})" if sim else "")
         peak = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
         loss = " → ".join("-" if v is None else f"{v:.4f}" for v in (r["eval_loss_first"], r["eval_loss_last"]))
+        measured = r["steps"] > 0  # a run that failed in warm-up has no step to report
         lines.append(
-            f"| {r['world_size']} | {r['name']} | {r['backend']} | {r['sampler']} | {r['status']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_s'] / base:.3f}× | {sim_text} | {cv_text} | {r['idle_fraction']:.3f} | "
-            f"{peak} | {loss} | {r['compiled_graphs_in_training']} |")
+            f"| {r['world_size']} | {r['name']} | {r['backend']} | {r['sampler']} | {r['status']} | "
+            + (f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.3f}× | " if measured else "- | - | ")
+            + f"{sim_text} | " + (f"{cv_text} | {r['idle_fraction']:.3f} | " if measured else "- | - | ")
+            + f"{peak} | {loss} | {r['compiled_graphs_in_training']} |")
     return "\n".join(lines)
+
+
+def step_table(rows: list[dict], simulated: dict, slow_factor: float, slow_min_s: float) -> str:
+    """Measured against the cost model, per run (see the module docstring)."""
+    lines = ["| W | run | step ms median (simulated) | steps that compiled | steps over "
+             f"{slow_factor:g}× and {slow_min_s:g} s over the model: measured s / model s | "
+             "tokens/s with those at the model's time (estimate) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "slow_steps" not in r:
+            continue
+        sim = simulated.get((r["world_size"], _policy(r)))
+        median = "-" if r["step_time_median_s"] is None else f"{1000 * r['step_time_median_s']:,.0f}"
+        median += f" ({1000 * sim['step_time_p50_s']:,.0f})" if sim else ""
+        compiled = "-" if r["compile_steps"] is None else (", ".join(map(str, r["compile_steps"])) or "none")
+        slow = ", ".join(f"{s['step']}: {s['measured_s']:.1f} / {s['predicted_s']:.1f}" for s in r["slow_steps"]) or "none"
+        estimate = r["tokens_per_s_slow_steps_at_model"]
+        lines.append(f"| {r['world_size']} | {r['name']} | {median} | {compiled} | {slow} | "
+                     f"{'-' if estimate is None else f'{estimate:,.0f}'} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def _policy(row: dict) -> str:
@@ -108,7 +160,8 @@ def load_simulation(path: str | None) -> dict:
     equal = {row["world_size"]: row["truth"]["tokens_per_s"] for row in doc if row["policy"] == "equal-token"}
     return {(row["world_size"], row["policy"]): {
         "tokens_per_s": row["truth"]["tokens_per_s"], "speedup": row["truth"]["tokens_per_s"] / equal[row["world_size"]],
-        "cv": row["truth"]["cv"], "idle": row["truth"]["idle"]} for row in doc}
+        "cv": row["truth"]["cv"], "idle": row["truth"]["idle"], "step_time_p50_s": row["truth"]["step_time_p50_s"]}
+        for row in doc}
 
 
 def main(argv=None) -> int:
@@ -118,10 +171,14 @@ def main(argv=None) -> int:
     p.add_argument("--stem", default="train_h200", help="output file stem under --out-dir")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                    help="where <stem>.md and <stem>.json go (default benchmarks/results/, overwriting a committed table)")
+    p.add_argument("--slow-factor", type=float, default=2.0,
+                   help="list steps that took over this many times the cost model's prediction (default 2)")
+    p.add_argument("--slow-min-s", type=float, default=5.0,
+                   help="... and at least this many seconds more than it (default 5)")
     args = p.parse_args(argv)
-    rows = [row for path in args.results for row in summarize(path)]
+    rows = [row for path in args.results for row in summarize(path, args.slow_factor, args.slow_min_s)]
     simulated = load_simulation(args.simulate)
-    text = table(rows, simulated)
+    text = "\n\n".join(t for t in (table(rows, simulated), step_table(rows, simulated, args.slow_factor, args.slow_min_s)) if t)
     print(text)
     doc = {"context": run_context(__file__, argv), "runs": rows,
            "simulated": [{"world_size": w, "policy": p, **v} for (w, p), v in simulated.items()]}
