@@ -371,7 +371,7 @@ def train_run(cfg: JobConfig, run: RunSpec, corpus, ctx: DistContext, calibratio
         # graphs Dynamo compiled for this run (training buckets, evaluation, calibration): recompiles + 1
         graphs_now = _compiled_graphs()
         result["compiled_graphs"] = graphs_now - graphs_before
-        # compiles inside the timed loop (their time counts in tokens/s): warm-up missed a shape class
+        # compiles inside the timed loop (their time counts in tokens/s; `compile_steps` names the steps)
         result["compiled_graphs_in_training"] = graphs_now - graphs_warm
         return result
 

@@ -93,7 +93,7 @@ def test_activation_checkpointing_run_fuses_inside_checkpointed_blocks(tmp_path,
 
 
 def test_two_ranks_with_activation_checkpointing_and_inductor(tmp_path, run_cli):
-    """FSDP2 + activation checkpointing + Inductor, every size class compiled in warm-up. With the
+    """FSDP2 + activation checkpointing + Inductor, every batch kind compiled in warm-up. With the
     checkpoint taken around the block call, the recomputation re-entered the compiled forward with
     FSDP2's inputs no longer views, recompiled a different graph and failed with CheckpointError
     (seen on two H200s at the first B = 2 bucket); the step now checkpoints inside each block."""
