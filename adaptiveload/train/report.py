@@ -48,7 +48,8 @@ def _rows(run: dict) -> list[tuple[str, str]]:
         ("fused chains / seen / model sites",
          f"{run.get('fused_chains', 0)} / {run.get('seen_chains', 0)} / {run.get('model', {}).get('modulate_sites') or '-'}"),
         ("compiled graphs (in timed steps)",
-         f"{_fmt(run.get('compiled_graphs'), 'int')} ({_fmt(run.get('compiled_graphs_in_training'), 'int')})"),
+         f"{_fmt(run.get('compiled_graphs'), 'int')} ({_fmt(run.get('compiled_graphs_in_training'), 'int')}"
+         + (f"; steps {', '.join(map(str, run['compile_steps']))})" if run.get("compile_steps") else ")")),
         ("eval loss first -> last", f"{_fmt(run['eval_loss'][0][1], '')} -> {_fmt(run.get('final_eval_loss'), '')}"
          if run.get("eval_loss") else "-"),
         ("plan M_mem tokens", _fmt((run.get("plan") or {}).get("m_mem"), "int")),
