@@ -136,7 +136,8 @@ def step_table(rows: list[dict], simulated: dict, slow_factor: float, slow_min_s
         sim = simulated.get((r["world_size"], _policy(r)))
         median = "-" if r["step_time_median_s"] is None else f"{1000 * r['step_time_median_s']:,.0f}"
         median += f" ({1000 * sim['step_time_p50_s']:,.0f})" if sim else ""
-        compiled = "-" if r["compile_steps"] is None else (", ".join(map(str, r["compile_steps"])) or "none")
+        compiled = ("not recorded" if r["compile_steps"] is None  # results written before the per-step record
+                    else ", ".join(map(str, r["compile_steps"])) or "none")
         slow = ", ".join(f"{s['step']}: {s['measured_s']:.1f} / {s['predicted_s']:.1f}" for s in r["slow_steps"]) or "none"
         estimate = r["tokens_per_s_slow_steps_at_model"]
         lines.append(f"| {r['world_size']} | {r['name']} | {median} | {compiled} | {slow} | "

@@ -408,8 +408,8 @@ class TrainStep:
         gradient shards (``torch.nn.utils.get_total_norm``) and one host sync per step.
 
         Raises:
-            NonFiniteStep: naming the loss and up to three parameters with non-finite gradients;
-                the gradients are cleared.
+            NonFiniteStep: naming the loss and up to three parameters with non-finite gradients
+                (or saying that the gradients' norm overflowed); the gradients are cleared.
         """
         grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
         finite = torch.isfinite(loss_sum)
@@ -420,7 +420,12 @@ class TrainStep:
         bad = [name for name, p in self.module.named_parameters()
                if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())]
         self.optimizer.zero_grad(set_to_none=True)
-        where = f"; non-finite gradients in {len(bad)} parameter(s): {', '.join(bad[:3])}" if bad else ""
+        if bad:
+            where = f"; non-finite gradients in {len(bad)} parameter(s): {', '.join(bad[:3])}"
+        elif grads and bool(torch.isfinite(loss_sum)):
+            where = "; every gradient is finite, but their norm overflows (some gradients are huge)"
+        else:
+            where = ""
         raise NonFiniteStep(f"loss {float(loss_sum):.6g}{where}; the optimizer step was skipped")
 
     def __call__(self, batch, global_num_samples: int) -> Tensor:

@@ -96,6 +96,20 @@ def test_a_non_finite_gradient_skips_the_update_and_names_the_parameter(frozen):
     assert any(not torch.equal(p, before[n]) for n, p in step.module.named_parameters())
 
 
+def test_a_gradient_norm_overflow_skips_the_update_and_says_so():
+    """Finite but huge gradients (1e20: their squares overflow float32) make the norm infinite; the
+    step is refused, and the message says no gradient holds inf/NaN."""
+    step, spec = _tiny_step(lr=1e-2)
+    before = {n: p.detach().clone() for n, p in step.module.named_parameters()}
+    param = next(p for n, p in step.module.named_parameters() if n.endswith("weight"))
+    hook = param.register_hook(lambda g: torch.full_like(g, 1e20))
+    with pytest.raises(NonFiniteStep, match=r"loss \d[\d.]*; every gradient is finite, but their norm overflows"):
+        step(synthetic_batch(spec, 2, (1, 4, 4)), 2)
+    hook.remove()
+    for n, p in step.module.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
 def test_a_non_finite_loss_skips_the_update():
     step, spec = _tiny_step()
     batch = synthetic_batch(spec, 2, (1, 4, 4))
