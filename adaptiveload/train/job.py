@@ -241,8 +241,10 @@ def warm_up_batches(bucket_keys: np.ndarray, batch_kinds: np.ndarray) -> list[tu
     return sorted(batches, key=lambda b: (b[0] * int(np.prod(b[1])), b))
 
 
-def _warm_up(step: TrainStep, spec, sampler: DualConstraintBucketSampler, ctx: DistContext) -> Optional[str]:
-    """Compile before timing: one frozen-weight step per batch of :func:`warm_up_batches`.
+def _warm_up(step: TrainStep, spec, sampler: DualConstraintBucketSampler, ctx: DistContext,
+             progress: bool) -> Optional[str]:
+    """Compile before timing: one frozen-weight step per batch of :func:`warm_up_batches` (at most two
+    a bucket), with a progress bar when ``progress``.
 
     Returns:
         ``None``, or the message of a warm-up step that failed on some rank (as for a training step:
@@ -250,11 +252,13 @@ def _warm_up(step: TrainStep, spec, sampler: DualConstraintBucketSampler, ctx: D
     """
     plan = warm_up_batches(sampler.bucket_keys, sampler.batch_kinds())
     batches = (synthetic_batch(spec, batch_size, shape, device=step.device) for batch_size, shape in plan)
-    with step.frozen_weights():
+    with step.frozen_weights(), tqdm(total=len(plan), desc="warm-up (compile)", unit="step",
+                                     disable=not progress, leave=False) as bar:
         for index in range(len(plan)):
             _, failure = _one_step(step, batches, ctx, index, profile=False)
             if failure is not None:
                 return f"warm-up {failure}"
+            bar.update(1)
     return None
 
 
@@ -332,7 +336,7 @@ def train_run(cfg: JobConfig, run: RunSpec, corpus, ctx: DistContext, calibratio
         _warn_if_calibrated_otherwise(calibration, settings)
     plan = resolve_plan(cfg, corpus, calibration, ctx, run.policy)
     sampler = make_sampler(run.sampler, plan, corpus, ctx, cfg.seed, run.policy)
-    failure = _warm_up(step, spec, sampler, ctx)  # before a resume loads optimizer state (frozen_weights clears it)
+    failure = _warm_up(step, spec, sampler, ctx, progress)  # before a resume loads optimizer state (frozen_weights clears it)
     warmup_s = time.perf_counter() - compile_start
     graphs_warm = _compiled_graphs()
     # without worker processes the samples are drawn on the training device (data module docstring)
