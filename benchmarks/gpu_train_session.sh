@@ -11,7 +11,8 @@
 # Same corpus (reference mix, --samples, --seed) and plan calibration for every configuration. Each run is capped
 # with `timeout` so one hang cannot eat the session; results.json/png of every run and all logs are packed
 # into $OUT/<phase>.tgz after every run (checkpoints are off); Dynamo recompiles and their reasons go to
-# the run logs. Keep CAP times the number of runs, plus ~90 s of install and build, under the call's limit.
+# the run logs. Keep CAP times the number of runs, plus ~90 s of install and build, under the call's limit
+# (x2 has four runs: pick them with ONLY, or set START_BY).
 # ONLY="x2_baseline x2_dual" runs a subset of a phase; BUDGET_GB (default 120) sets --memory-budget-gb;
 # EXTRA holds more arguments for every run (e.g. EXTRA=--drop-oversized). START_BY=S skips the runs that
 # would start more than S seconds into the call (so a run the call's limit would cut off is not begun).

@@ -5,7 +5,8 @@
         $R/x2_baseline.json $R/x2_dual.json $R/x2_cost_grouped.json \
         --simulate $R/simulate_w2_128.json --stem train_h200
 
-Each run is compared with the first run of the same world size given (give the baseline first).
+Each run is compared with the first run of the same world size given that trained at least one
+step (give the baseline first).
 Prints a markdown table and writes it with a JSON summary (per run: device, torch version, date, the
 exact `adaptiveload train` command rebuilt from the run's config, and the numbers) to
 ``<out-dir>/<stem>.md`` and ``.json``.
@@ -15,12 +16,14 @@ file the run names can be read): the step of every rank predicted as ``cost_mode
 step's prediction the slowest rank's. It lists the measured and simulated median step time, the
 steps that took over ``--slow-factor`` times their prediction and at least ``--slow-min-s`` seconds
 more (a compile, or a first run of a shape), and tokens/s with those steps at their predicted time:
-an estimate, labelled as one.
+an estimate, labelled as one. A run whose calibration file cannot be read here (e.g. a quick
+calibration saved on the GPU machine) has no row in it.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -73,7 +76,8 @@ def summarize(path: str, slow_factor: float, slow_min_s: float) -> dict:
             "fused_chains": run.get("fused_chains"), "compiled_graphs_in_training": run.get("compiled_graphs_in_training"),
             "plan_m_mem": run["plan"]["m_mem"], "step_time_median_s": (run.get("step_time_s") or {}).get("median"),
             "compile_steps": run.get("compile_steps"),
-            **_step_check(run, doc.get("calibration"), slow_factor, slow_min_s),
+            # a run that failed mid-way has no top-level calibration yet: the one its command named
+            **_step_check(run, doc.get("calibration") or doc["config"].get("calibration"), slow_factor, slow_min_s),
         })
     return rows
 
@@ -107,9 +111,12 @@ def table(rows: list[dict], simulated: dict) -> str:
     lines = ["| W | run | backend | sampler | status | tokens/s | vs baseline | simulated tokens/s (vs eq-tok) | "
              "compute-load CV (simulated) | idle fraction | peak GiB | eval loss first → last | compiles in timed steps |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    baseline = {}
+    baseline = {}  # per world size: the first run given that trained a step
     for r in rows:
-        base = baseline.setdefault(r["world_size"], r["tokens_per_s"])
+        if r["steps"] > 0:
+            baseline.setdefault(r["world_size"], r["tokens_per_s"])
+    for r in rows:
+        base = baseline.get(r["world_size"], math.nan)
         sim = simulated.get((r["world_size"], _policy(r)))
         sim_text = f"{sim['tokens_per_s']:,.0f} ({sim['speedup']:.2f}×)" if sim else "-"
         cv_text = f"{r['compute_load_cv']:.3f}" + (f" ({sim['cv']:.3f})" if sim else "")
@@ -134,7 +141,8 @@ def step_table(rows: list[dict], simulated: dict, slow_factor: float, slow_min_s
         if "slow_steps" not in r:
             continue
         sim = simulated.get((r["world_size"], _policy(r)))
-        median = "-" if r["step_time_median_s"] is None else f"{1000 * r['step_time_median_s']:,.0f}"
+        median = r["step_time_median_s"]
+        median = "-" if median is None or math.isnan(median) else f"{1000 * median:,.0f}"
         median += f" ({1000 * sim['step_time_p50_s']:,.0f})" if sim else ""
         compiled = ("not recorded" if r["compile_steps"] is None  # results written before the per-step record
                     else ", ".join(map(str, r["compile_steps"])) or "none")
@@ -152,8 +160,8 @@ def _policy(row: dict) -> str:
 
 
 def load_simulation(path: str | None) -> dict:
-    """``{(world size, policy): {"tokens_per_s", "speedup", "cv", "idle"}}`` (scored against the
-    simulation's truth) from `adaptiveload simulate --json`."""
+    """``{(world size, policy): {"tokens_per_s", "speedup", "cv", "idle", "step_time_p50_s"}}`` (scored
+    against the simulation's truth) from `adaptiveload simulate --json`."""
     if not path:
         return {}
     with open(path) as f:

@@ -372,11 +372,12 @@ def train_run(cfg: JobConfig, run: RunSpec, corpus, ctx: DistContext, calibratio
         result.update(_summarize_run(state, ctx, step, total_steps))
         result["status"], result["error"] = status, error
         result.update(_fusion_summary(step.regions))
-        # graphs Dynamo compiled for this run (training buckets, evaluation, calibration): recompiles + 1
+        # graphs Dynamo compiled in this process for this run (training buckets, evaluation,
+        # calibration: recompiles + 1), and those compiled inside the timed loop (their time counts
+        # in tokens/s; `compile_steps` names the steps): the most on any rank (a collective, as above)
         graphs_now = _compiled_graphs()
-        result["compiled_graphs"] = graphs_now - graphs_before
-        # compiles inside the timed loop (their time counts in tokens/s; `compile_steps` names the steps)
-        result["compiled_graphs_in_training"] = graphs_now - graphs_warm
+        counts = ctx.all_gather([graphs_now - graphs_before, graphs_now - graphs_warm]).max(dim=0).values
+        result["compiled_graphs"], result["compiled_graphs_in_training"] = int(counts[0]), int(counts[1])
         return result
 
     def checkpoint() -> None:

@@ -23,9 +23,11 @@ N_global``: every sample has the same weight wherever it landed — the same gra
 process computes on all the step's samples.
 
 Dynamic sequence length: the batch, frame, height and width dims of the inputs are marked dynamic
-and equal sizes get separate symbols (no "duck shapes"), so a new bucket shape does not recompile.
-Sizes of 1 are still specialised (torch's 0/1 rule): B = 1 adds a graph of each compiled block (a
-model compiled whole also adds graphs for single-frame batches: at most four), compiled in warm-up. Tracing with
+and equal sizes get separate symbols (no "duck shapes"), so most new bucket shapes do not
+recompile. Sizes of 1 are still specialised (torch's 0/1 rule): B = 1 adds a graph of each compiled
+block (a model compiled whole also adds graphs for single-frame batches), and Inductor adds a few
+size thresholds (e.g. on B·S); the job's warm-up runs every kind of batch, so all are compiled
+before timing. Tracing with
 ``backed_size_oblivious`` instead would avoid those but made Inductor guard on every sequence length
 (a recompile per bucket) and, under FSDP2 on torch 2.11, bake the first sequence length into the
 strides of saved activations (pytorch/pytorch#191885).
@@ -401,7 +403,8 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
 
     def check_finite(self, loss_sum: Tensor) -> None:
-        """Raise before the optimizer step if the loss or any of this rank's gradients is not finite.
+        """Raise before the optimizer step if the loss or the norm of this rank's gradients is not finite
+        (a gradient holding inf/NaN, or finite gradients whose norm overflows).
 
         AdamW would spread one NaN gradient into the weights (even at learning rate 0: 0·NaN = NaN),
         so the step is refused instead and the weights stay as they were. One norm over the local

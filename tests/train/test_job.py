@@ -273,3 +273,22 @@ def test_a_step_that_compiles_is_flagged():
     batches = iter([batch(2, 3), batch(2, 3), batch(2, 5)])
     flags = [_one_step(Step(), batches, DistContext(), i, profile=False)[0]["compiled"] for i in range(3)]
     assert flags == [True, False, True]  # static shapes: a new T compiles again
+
+
+def test_failure_message_reads_each_rank_row():
+    """The per-step row (columns: _StepRow) of each failing rank becomes its bucket shape, S and B;
+    a rank with status 0 is left out; OOM and non-finite add their advice."""
+    from adaptiveload.train.job import _failure_message
+
+    nan = float("nan")
+    rows = np.array([  # status, wall, busy, loss, compiled, B, S, T, H, W
+        [1, 2.0, nan, nan, 0, 3, 32760, 21, 60, 104],
+        [0, 2.0, nan, 1.5, 0, 8, 1560, 1, 60, 104],
+        [4, 2.0, nan, 3.9, 1, 1, 75600, 21, 90, 160],
+    ])
+    text = _failure_message(rows, ["CUDA out of memory", "", "loss 3.9"], 7)
+    assert text.startswith("step 7: rank 0 ran out of memory on bucket latent 21x60x104 (S=32,760) with B=3 "
+                           "(CUDA out of memory); rank 2 got a non-finite loss or gradient on bucket latent "
+                           "21x90x160 (S=75,600) with B=1 (loss 3.9)")
+    assert "rank 1" not in text
+    assert "compare the same bucket under --backend eager" in text and "recalibrate with a smaller memory budget" in text

@@ -41,3 +41,17 @@ def test_slow_steps_are_those_over_the_factor_and_the_margin(summarize_train):
     assert check["tokens_per_s_slow_steps_at_model"] == pytest.approx(tokens / (3.6 + _model_s(1, long) + 1.0))
     # a calibration that cannot be read: no check
     assert summarize_train._step_check({"history": history}, "no-such-calibration.json", 2.0, 5.0) == {}
+
+
+def test_a_failed_first_run_is_not_the_baseline(summarize_train):
+    """The first run that trained a step is the baseline; a run that failed in warm-up shows '-'."""
+    def row(name, steps, tokens_per_s):
+        return {"world_size": 2, "name": name, "backend": "b", "sampler": "equal", "status": "ok" if steps else "failed",
+                "steps": steps, "tokens_per_s": tokens_per_s, "compute_load_cv": 0.1, "idle_fraction": 0.1,
+                "peak_memory_gib": None, "eval_loss_first": None, "eval_loss_last": None,
+                "compiled_graphs_in_training": 0}
+
+    text = summarize_train.table([row("failed", 0, float("nan")), row("base", 3, 100.0), row("other", 3, 150.0)], {})
+    lines = text.splitlines()[2:]
+    assert "| failed | b | equal | failed | - | - |" in lines[0]
+    assert "| 100 | 1.000× |" in lines[1] and "| 150 | 1.500× |" in lines[2]
