@@ -32,9 +32,10 @@ cases = [  # (B, N, D, x dtype, modulation dtype, layout, affine)
 for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
     design = ("one_pass", "two_kernel")[i % 2]
     os.environ["ADAPTIVELOAD_BWD"] = design
-    # the shared-memory rings where the case allows them (aligned, per-sample/shared; backward: <= 2 chunks)
+    # the shared-memory rings where the case allows them (aligned rows; backward: <= 16 elements a
+    # thread, per-token scale rows in the slot in case 1, fp32 4 chunks in case 5)
     os.environ["ADAPTIVELOAD_FWD_STAGES"] = ("auto", "auto", "2", "0", "0", "3", "auto")[i]
-    os.environ["ADAPTIVELOAD_BWD_STAGES"] = ("auto", "0", "3", "0", "0", "0", "0")[i]
+    os.environ["ADAPTIVELOAD_BWD_STAGES"] = ("auto", "auto", "3", "0", "0", "auto", "0")[i]
     x = torch.randn(B, N, D, device="cuda", generator=g).to(xdt)
     if layout == "strided":
         scale, shift = (t.unsqueeze(1) for t in torch.randn(B, 3 * D, device="cuda", generator=g).to(mdt).chunk(3, -1)[:2])

@@ -18,7 +18,7 @@
 //   P0 = sum dy * (1 + s) * x_hat,  P1 = sum dy * (1 + s),  P2 = sum dy  (for a per-sample shift).
 // No atomics: every sum has a fixed order, so two runs give bit-identical gradients.
 //
-// RING (sm_90; per-sample or shared scale; aligned rows): the x and dy rows come through a ring of
+// RING (sm_90; aligned rows): the x and dy rows, and a per-token scale's row, come through a ring of
 // a.stages slots in shared memory filled by bulk copies a.stages rows ahead (as the forward's RING),
 // instead of the one-row register prefetch; a slot is refilled after the row's block reduction.
 //
@@ -41,10 +41,14 @@ namespace adaln {
 constexpr int kBwdRingElems = 16;
 template <typename Tx>
 constexpr int bwd_ring_chunks() { return kBwdRingElems / (16 / static_cast<int>(sizeof(Tx))); }
+// Per-token scale (its row rides the slot beside x and dy; the kernel also keeps a third partial
+// and the bias row): up to kBwdRingElemsPerToken elements a thread (see KERNEL_NOTES v8).
+constexpr int kBwdRingElemsPerToken = 16;
+template <typename Tx>
+constexpr int bwd_ring_chunks_per_token() { return kBwdRingElemsPerToken / (16 / static_cast<int>(sizeof(Tx))); }
 
 template <typename Tx, typename Tm, typename Tdy, int C, bool SPT, bool RING>
 __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
-  static_assert(!(SPT && RING), "the ring takes per-sample or shared scale only");
   const int64_t rows_per_tile = a.rows_per_tile;
   constexpr int VEC = 16 / sizeof(Tx);
   __shared__ float red[2 * 2 * 32];
@@ -71,16 +75,19 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   // in shared memory; the column partial sums stay in registers
   extern __shared__ float4 coef_smem[];
   const CoefRow<VEC> coef{coef_smem}, bias_row{coef_smem + C * (VEC / 4) * blockDim.x};  // bias: SPT only
-  // the ring (RING): slot = [x row | dy row], each rounded up to 128 bytes
+  // the ring (RING): slot = [x row | dy row | per-token scale row (SPT)], each rounded up to 128 bytes
   const int S = a.stages;
-  const size_t x_bytes = ring_stride(D, sizeof(Tx)), stride = x_bytes + ring_stride(D, sizeof(Tdy));
+  const size_t x_bytes = ring_stride(D, sizeof(Tx)), s_off = x_bytes + ring_stride(D, sizeof(Tdy));
+  const size_t stride = s_off + (SPT ? ring_stride(D, sizeof(Tm)) : 0);
   char* ring = reinterpret_cast<char*>(coef_smem + (SPT ? 2 : 1) * C * (VEC / 4) * T);
-  auto fetch = [&](int slot, int64_t n) {  // thread 0: x and dy of row n into a ring slot
+  auto fetch = [&](int slot, int64_t n) {  // thread 0: x, dy (and the scale row) of row n into a ring slot
     const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
+    char* dst = ring + slot * stride;
     async_proxy_fence();
-    mbar_expect(&full[slot], static_cast<uint32_t>(D * (sizeof(Tx) + sizeof(Tdy))));
-    bulk_copy(ring + slot * stride, x + off, static_cast<uint32_t>(D * sizeof(Tx)), &full[slot]);
-    bulk_copy(ring + slot * stride + x_bytes, dy + off, static_cast<uint32_t>(D * sizeof(Tdy)), &full[slot]);
+    mbar_expect(&full[slot], static_cast<uint32_t>(D * (sizeof(Tx) + sizeof(Tdy) + (SPT ? sizeof(Tm) : 0))));
+    bulk_copy(dst, x + off, static_cast<uint32_t>(D * sizeof(Tx)), &full[slot]);
+    bulk_copy(dst + x_bytes, dy + off, static_cast<uint32_t>(D * sizeof(Tdy)), &full[slot]);
+    if constexpr (SPT) bulk_copy(dst + s_off, sc + n * a.scale.sn, static_cast<uint32_t>(D * sizeof(Tm)), &full[slot]);
   };
   RingCursor cur{full, S};
   if constexpr (RING) cur.start(n0, n1, fetch);
@@ -134,6 +141,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
       cur.wait();
       load_chunks(reinterpret_cast<const Tx*>(ring + cur.slot * stride), D, T, tid, true, cx);
       load_chunks(reinterpret_cast<const Tdy*>(ring + cur.slot * stride + x_bytes), D, T, tid, true, cdy);
+      if constexpr (SPT) load_chunks(reinterpret_cast<const Tm*>(ring + cur.slot * stride + s_off), D, T, tid, true, cs);
     } else {
 #pragma unroll
       for (int c = 0; c < C; ++c) {
@@ -319,21 +327,23 @@ __global__ void __launch_bounds__(512) bwd_reduce_kernel(const BwdArgs a) {
 template <typename Tx, typename Tm, typename Tdy, int C, bool SPT>
 struct BwdKernels {
   static size_t coef(const BwdArgs& a, int threads) { return coef_smem_bytes(SPT ? 2 : 1, C, threads, a.xt); }
-  static size_t slot(const BwdArgs& a) { return ring_stride(a.D, sizeof(Tx)) + ring_stride(a.D, sizeof(Tdy)); }
+  static size_t slot(const BwdArgs& a) {
+    return ring_stride(a.D, sizeof(Tx)) + ring_stride(a.D, sizeof(Tdy)) + (SPT ? ring_stride(a.D, sizeof(Tm)) : 0);
+  }
   static size_t smem(const BwdArgs& a, int threads) { return coef(a, threads) + a.stages * slot(a); }
-  // the ring for per-sample/shared scale (see kBwdRingElems)
-  static constexpr bool kRing = !SPT && C <= bwd_ring_chunks<Tx>();
+  // the ring up to kBwdRingElems a thread (per-token scale: bwd_ring_chunks_per_token)
+  static constexpr bool kRing = C <= (SPT ? bwd_ring_chunks_per_token<Tx>() : bwd_ring_chunks<Tx>());
   template <typename F>
   static void with_kernel(const BwdArgs& a, const F& f) {  // the ring's row kernel, or the register one
     if constexpr (kRing) {
-      if (a.stages > 0) return f(bwd_row_kernel<Tx, Tm, Tdy, C, false, true>);
+      if (a.stages > 0) return f(bwd_row_kernel<Tx, Tm, Tdy, C, SPT, true>);
     }
     f(bwd_row_kernel<Tx, Tm, Tdy, C, SPT, false>);
   }
   // Sets a.stages (the ring's slots, or 0), a.tiles and a.rows_per_tile.
   static void plan(BwdArgs& a, int threads) {
     if constexpr (kRing) {
-      const void* ring = reinterpret_cast<const void*>(bwd_row_kernel<Tx, Tm, Tdy, C, false, true>);
+      const void* ring = reinterpret_cast<const void*>(bwd_row_kernel<Tx, Tm, Tdy, C, SPT, true>);
       a.stages = ring_stages(a.stages, a.aligned, coef(a, threads), slot(a), 64 * 1024, ring);  // ~64 KB of rows
     } else {
       a.stages = 0;
@@ -368,7 +378,8 @@ void bwd_run(BwdArgs& a, bool launch, cudaStream_t stream) {
     with_chunk_count(rs.chunks, [&](auto c) { BwdKernels<Tx, Tm, Tdy, decltype(c)::value, SPT>::plan(a, rs.threads); });
   };
   const RowShape regs = row_shape(a.D, a.xt, a.max_threads);
-  const RowShape ring = SPT ? regs : ring_row_shape(a.D, a.xt, a.max_threads, bwd_ring_chunks<Tx>());
+  const RowShape ring =
+      ring_row_shape(a.D, a.xt, a.max_threads, SPT ? bwd_ring_chunks_per_token<Tx>() : bwd_ring_chunks<Tx>());
   plan(ring);
   if (a.stages == 0 && (ring.threads != regs.threads || ring.chunks != regs.chunks)) plan(regs);
   if (!SPT && a.chunks > bwd_ring_chunks<Tx>()) a.two_kernel = true;  // see kBwdRingElems

@@ -486,22 +486,28 @@ def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatc
 def test_backward_ring_matches_the_register_backward(kernels, monkeypatch, stages):
     """The backward's shared-memory ring: dx bit for bit (per-row arithmetic is the same); the summed
     gradients to fp32 rounding (the ring changes occupancy, hence the row tiles the partial sums run
-    over); two ring runs bit-identical; per-token scale falls back to the register kernel. Same block
-    shape for both (ADAPTIVELOAD_MAX_THREADS=512); the ring's automatic shape against float64 at the end."""
+    over); two ring runs bit-identical; per-token scale rows ride the slot beside x and dy (contiguous
+    and strided chunks, with a per-token shift too). Same block shape for both
+    (ADAPTIVELOAD_MAX_THREADS=512); the ring's automatic shape against float64 at the end."""
     gen = torch.Generator(device="cuda").manual_seed(22)
     monkeypatch.setenv("ADAPTIVELOAD_MAX_THREADS", "512")
     cases = [(1, 1, 1536, torch.bfloat16, torch.bfloat16), (3, 7, 3072, torch.bfloat16, torch.float32),
              (2, 4099, 5120, torch.bfloat16, torch.bfloat16), (1, 65536, 1536, torch.bfloat16, torch.bfloat16),
              (2, 333, 8, torch.float16, torch.float32), (1, 1000, 16384, torch.bfloat16, torch.bfloat16),
-             (2, 129, 1000, torch.float32, torch.float32), (1, 300, 8192, torch.float32, torch.float32)]
+             (2, 129, 1000, torch.float32, torch.float32), (1, 300, 8192, torch.float32, torch.float32),
+             (2, 517, 3072, torch.bfloat16, torch.bfloat16), (1, 300, 5120, torch.bfloat16, torch.float32)]
+    per_token = {4: "contiguous scale", 8: "strided scale", 9: "strided scale and shift"}
     for i, (B, N, D, dtype, dy_dtype) in enumerate(cases):
         mod_dtype = torch.float32 if i % 2 else dtype
         x = torch.randn(B, N, D, device="cuda", generator=gen).to(dtype)
         dy = torch.randn(B, N, D, device="cuda", generator=gen).to(dy_dtype)
         scale, shift, _ = (0.2 * torch.randn(B, 3 * D, device="cuda", generator=gen)).to(mod_dtype).chunk(3, -1)
         scale, shift = scale.unsqueeze(1), shift.unsqueeze(1)
-        if i == 4:  # per-token scale: the register kernel
+        if i == 4:
             scale = scale.expand(B, N, D).contiguous()
+        elif i in per_token:  # .chunk() views of one [B, N, 2D] embedding
+            rows = (0.2 * torch.randn(B, N, 2 * D, device="cuda", generator=gen)).to(mod_dtype).chunk(2, -1)
+            scale, shift = (rows[0], rows[1]) if i == 9 else (rows[0], shift)
         w = torch.randn(D, device="cuda", generator=gen).to(dtype)
         b = torch.randn(D, device="cuda", generator=gen).to(dtype)
         y, mean, rstd = torch.ops.adaptiveload.adaln_modulate(x, w, b, scale, shift, EPS, dtype)
@@ -513,9 +519,9 @@ def test_backward_ring_matches_the_register_backward(kernels, monkeypatch, stage
             launched[setting] = _adaln_kernels_launched(
                 lambda: torch.ops.adaptiveload.adaln_modulate_backward(dy, x, w, b, scale, shift, mean, rstd))
         ref, (ring, again) = grads["0"][0], grads[stages]
-        where = f"B={B} N={N} D={D} {dtype} dy {dy_dtype} stages={stages}"
-        # the ring takes per-sample scale up to 16 elements a thread (2 chunks of 16-bit x, 4 of fp32): D <= 8192
-        takes_ring = i != 4 and D <= 8192
+        where = f"B={B} N={N} D={D} {dtype} dy {dy_dtype} {per_token.get(i, 'per-sample')} stages={stages}"
+        # the ring takes rows up to 16 elements a thread (2 chunks of 16-bit x, 4 of fp32): D <= 8192
+        takes_ring = D <= 8192
         assert (launched["0"] != launched[stages]) == takes_ring, (where, launched)
         assert torch.equal(ref[0], ring[0]), f"dx differs at {where}"
         for name, r, g, g2 in zip(("dweight", "dbias", "dscale", "dshift"), ref[1:], ring[1:], again[1:]):
@@ -526,6 +532,9 @@ def test_backward_ring_matches_the_register_backward(kernels, monkeypatch, stage
     check_against_float64((1, 3000, 1536), torch.bfloat16, "per-sample", "per-sample", True, "cuda", 9)
     check_against_float64((1, 200, 6144), torch.float32, "per-sample", "per-sample", True, "cuda", 10)  # 4 chunks
     check_against_float64((2, 100, 12288), torch.bfloat16, "per-sample", "shared", True, "cuda", 11)  # two-kernel
+    check_against_float64((2, 700, 1536), torch.bfloat16, "per-token", "per-sample", True, "cuda", 12)
+    check_against_float64((1, 300, 5120), torch.bfloat16, "strided-per-token", "strided-per-token", True, "cuda", 13,
+                          mod_fp32=True)
     check_against_float64((2, 4099, 3072), torch.bfloat16, "strided-per-sample", "per-sample", True, "cuda", 6,
                           mod_fp32=True)
 
