@@ -33,7 +33,7 @@ for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
     design = ("one_pass", "two_kernel")[i % 2]
     os.environ["ADAPTIVELOAD_BWD"] = design
     # the shared-memory rings where the case allows them (aligned rows; backward: <= 16 elements a
-    # thread, per-token scale rows in the slot in case 1, fp32 4 chunks in case 5)
+    # thread, per-token scale rows in the slot in case 1, fp32 4 chunks in case 5; both two-kernel cases)
     os.environ["ADAPTIVELOAD_FWD_STAGES"] = ("auto", "auto", "2", "0", "0", "3", "auto")[i]
     os.environ["ADAPTIVELOAD_BWD_STAGES"] = ("auto", "auto", "3", "0", "0", "auto", "0")[i]
     x = torch.randn(B, N, D, device="cuda", generator=g).to(xdt)
