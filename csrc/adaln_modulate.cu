@@ -227,20 +227,19 @@ std::vector<Tensor> backward_rows(const Tensor& dy, const Tensor& x, const optio
 // adaln_modulate.check_inputs / check_backward_inputs), turned into the [B, N, D] row views above. Done here rather than in
 // Python because each Python tensor call costs host time on every launch.
 
-// `t` left-padded with 1s to x's rank.
-Tensor padded_to(const Tensor& t, const Tensor& x) {
+// The size of modulation `t` at x's dim i, t broadcast against x (right-aligned): 1 where t has
+// no such dim. Sizes only, so the launch path creates no tensor to answer it.
+int64_t bcast_size(const Tensor& t, const Tensor& x, int64_t i) {
   TORCH_CHECK(t.dim() >= 1 && t.dim() <= x.dim(), "adaln_modulate: a modulation of shape ", t.sizes(),
               " does not broadcast over x of shape ", x.sizes());
-  if (t.dim() == x.dim()) return t;
-  std::vector<int64_t> shape(x.dim() - t.dim(), 1);
-  shape.insert(shape.end(), t.sizes().begin(), t.sizes().end());
-  return t.reshape(shape);
+  const int64_t j = i - (x.dim() - t.dim());
+  return j < 0 ? 1 : t.size(j);
 }
 
-// A modulation of x's rank with a token dim other than 1 (per-token); 2-D x has no token dims.
-bool per_token(const Tensor& padded) {
-  for (int64_t i = 1; i + 1 < padded.dim(); ++i)
-    if (padded.size(i) != 1) return true;
+// A modulation with a token dim other than 1 (per-token); 2-D x has no token dims.
+bool per_token(const Tensor& t, const Tensor& x) {
+  for (int64_t i = 1; i + 1 < x.dim(); ++i)
+    if (bcast_size(t, x, i) != 1) return true;
   return false;
 }
 
@@ -253,8 +252,7 @@ at::ScalarType mod_dtype(const Tensor& x, const Tensor& scale, const optional<Te
     return at::kFloat;
   for (const Tensor* t : {&scale, shift.has_value() ? &*shift : nullptr}) {
     if (t == nullptr) continue;
-    const Tensor p = padded_to(*t, x);
-    if (x.size(0) > 1 && p.size(0) == 1 && per_token(p)) return at::kFloat;
+    if (x.size(0) > 1 && bcast_size(*t, x, 0) == 1 && per_token(*t, x)) return at::kFloat;
   }
   return st;
 }
@@ -262,9 +260,9 @@ at::ScalarType mod_dtype(const Tensor& x, const Tensor& scale, const optional<Te
 // Modulation `t` as a [B or 1, N or 1, D] view of x viewed as [B, N, D] in dtype `dt`: no copy unless
 // the token dims of a per-token modulation do not collapse to one stride or D is not unit-stride.
 Tensor modulation_rows(const Tensor& t, const Tensor& x, at::ScalarType dt) {
-  const Tensor p = padded_to(t.to(dt), x);
   const int64_t D = x.size(-1);
-  const Tensor rows = p.reshape({p.size(0), per_token(p) ? x.numel() / (x.size(0) * D) : 1, D});
+  const Tensor rows =
+      t.to(dt).reshape({bcast_size(t, x, 0), per_token(t, x) ? x.numel() / (x.size(0) * D) : 1, D});
   return D == 1 || rows.stride(-1) == 1 ? rows : rows.contiguous();
 }
 
@@ -294,7 +292,7 @@ std::tuple<Tensor, Tensor, Tensor> op_forward(const Tensor& x, const optional<Te
 // A kernel gradient of modulation `t` ([B, N, D] per element or [B, D] per-sample sums), summed over
 // the dims where `t` broadcasts, in t's shape and dtype.
 Tensor mod_grad(Tensor g, const Tensor& t, const Tensor& x) {
-  if (padded_to(t, x).size(0) == 1 && g.size(0) != 1) g = g.sum(at::IntArrayRef{0}, /*keepdim=*/true, at::kFloat);
+  if (bcast_size(t, x, 0) == 1 && g.size(0) != 1) g = g.sum(at::IntArrayRef{0}, /*keepdim=*/true, at::kFloat);
   return g.reshape(t.sizes()).to(t.scalar_type());
 }
 
