@@ -266,6 +266,15 @@ Tensor modulation_rows(const Tensor& t, const Tensor& x, at::ScalarType dt) {
   return D == 1 || rows.stride(-1) == 1 ? rows : rows.contiguous();
 }
 
+// Scale and shift as the kernels read them: modulation_rows of each, in mod_dtype.
+std::pair<Tensor, optional<Tensor>> scale_shift_rows(const Tensor& x, const Tensor& scale,
+                                                     const optional<Tensor>& shift) {
+  const at::ScalarType mt = mod_dtype(x, scale, shift);
+  optional<Tensor> shift_rows;
+  if (shift.has_value()) shift_rows = modulation_rows(*shift, x, mt);
+  return {modulation_rows(scale, x, mt), shift_rows};
+}
+
 optional<Tensor> affine_f32(const optional<Tensor>& t) {
   if (!t.has_value()) return c10::nullopt;
   return t->to(at::kFloat).contiguous();
@@ -279,10 +288,8 @@ std::tuple<Tensor, Tensor, Tensor> op_forward(const Tensor& x, const optional<Te
                                               const optional<Tensor>& shift, double eps, at::ScalarType out_dtype,
                                               int64_t max_threads, int64_t stages) {
   const int64_t B = x.size(0), D = x.size(-1);
-  const at::ScalarType mt = mod_dtype(x, scale, shift);
-  optional<Tensor> shift_rows;
-  if (shift.has_value()) shift_rows = modulation_rows(*shift, x, mt);
-  auto out = forward_rows(x.contiguous().view({B, -1, D}), affine_f32(weight), affine_f32(bias), modulation_rows(scale, x, mt),
+  const auto [scale_rows, shift_rows] = scale_shift_rows(x, scale, shift);
+  auto out = forward_rows(x.contiguous().view({B, -1, D}), affine_f32(weight), affine_f32(bias), scale_rows,
                           shift_rows, eps, out_dtype != x.scalar_type(), max_threads, stages);
   Tensor y = out[0];
   if (out_dtype != x.scalar_type() && out_dtype != at::kFloat) y = y.to(out_dtype);
@@ -306,11 +313,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> op_backward(
     int64_t max_threads, int64_t stages) {
   const int64_t B = x.size(0), D = x.size(-1);
   const Tensor dy = dy_in.scalar_type() == x.scalar_type() || dy_in.scalar_type() == at::kFloat ? dy_in : dy_in.to(at::kFloat);
-  const at::ScalarType mt = mod_dtype(x, scale, shift);
-  optional<Tensor> shift_rows;
-  if (shift.has_value()) shift_rows = modulation_rows(*shift, x, mt);
+  const auto [scale_rows, shift_rows] = scale_shift_rows(x, scale, shift);
   auto g = backward_rows(dy.contiguous().view({B, -1, D}), x.contiguous().view({B, -1, D}), affine_f32(weight),
-                         affine_f32(bias), modulation_rows(scale, x, mt), shift_rows,
+                         affine_f32(bias), scale_rows, shift_rows,
                          mean.to(at::kFloat).contiguous().view(-1), rstd.to(at::kFloat).contiguous().view(-1),
                          two_kernel, max_threads, stages);
   optional<Tensor> dweight, dbias, dshift;
