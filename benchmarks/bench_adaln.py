@@ -225,6 +225,7 @@ def run_shape(tt, B, N, D, layout, pattern, bw, l2_bytes, gen) -> dict:
                               "why": str(err).splitlines()[0][:160]}
             del graphs
             res["saved_bytes"] = saved_bytes(fn, *leaves[0][:2], linear)
+            res["fwdbwd_gpu"] = gpu_time(fwdbwd, [t for s in leaves for t in s[:2]] + params)
         except Exception as err:  # noqa: BLE001 - record and go on (e.g. an Inductor failure)
             res["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
             print(f"  {impl} failed at B={B} N={N} D={D} {layout} {pattern}: {res['error']}", flush=True)
@@ -233,6 +234,24 @@ def run_shape(tt, B, N, D, layout, pattern, bw, l2_bytes, gen) -> dict:
         torch.cuda.empty_cache()
     row["fused_op"] = op_only(tt, sets, linear, layout, pattern)
     return row
+
+
+def gpu_time(fn, grads, calls: int = 20) -> dict:
+    """GPU time of one call of fn: the summed durations of the kernels and copies it launches (the
+    profiler's CUDA activity) over `calls` calls, divided by `calls`. Where the GPU waits for the
+    host between kernels is not in it: in a whole model's step the host runs ahead of the GPU and
+    such gaps are filled, so this is what the expression costs there. `grads` are reset to None
+    before each call, as in the timed loops (no accumulation kernels)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            for t in grads:
+                t.grad = None
+            fn()
+        torch.cuda.synchronize()
+    us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"mean": us / calls / 1e3, "calls": calls}
 
 
 def host_time_us(gen, calls: int = 300) -> dict:
@@ -293,7 +312,8 @@ def summarize(row: dict) -> dict:
     imp, op = row["impl"], row["fused_op"]
 
     def med(impl, mode):
-        return imp.get(impl, {}).get(mode, {}).get("median", float("nan"))
+        cell = imp.get(impl, {}).get(mode, {})
+        return cell.get("median", cell.get("mean", float("nan")))
 
     out = {
         "op_fwd_frac_sol": row["sol_fwd_ms"] / op["fwd"]["median"],
@@ -306,6 +326,8 @@ def summarize(row: dict) -> dict:
             out[f"backend_speedup_{mode}_vs_{other}"] = med(other, mode) / med("backend", mode)
         out[f"inductor_{mode}_frac_sol"] = row[f"sol_{mode}_ms"] / med("inductor", mode)
     out["fused_fwdbwd_frac_sol"] = row["sol_fwdbwd_ms"] / med("fused", "fwdbwd")
+    for impl in ("fused", "backend"):
+        out[f"{impl}_gpu_speedup_fwdbwd_vs_inductor"] = med("inductor", "fwdbwd_gpu") / med(impl, "fwdbwd_gpu")
     return out
 
 
@@ -320,6 +342,9 @@ def markdown(doc: dict) -> str:
         "- eager / Inductor / fused / backend columns: the whole expression (per-sample: Linear -> chunk -> "
         "unsqueeze -> chain); fused: the op called eagerly; backend: torch.compile(backend=\"adaptiveload\"); "
         "'op' columns: the fused op's kernels alone (forward; backward one-pass and two-kernel)",
+        "- GPU columns: GPU time of one forward+backward, the summed durations of its kernels (torch.profiler, "
+        "mean of 20 calls): time where the GPU waits for the host is not in it, as in a whole model's step "
+        "where the host runs ahead",
         "- host time of one forward+backward call (µs; B = 1, N = 16, D = 1536, per-sample bf16, no sync "
         "between calls): " + ", ".join(f"{k} {v:.0f}" for k, v in doc.get("host_us_per_fwdbwd_call", {}).items()),
         "",
@@ -327,16 +352,20 @@ def markdown(doc: dict) -> str:
         "| SoL bwd | eager bwd | Inductor bwd | fused bwd | op bwd 1-pass (% SoL) | op bwd 2-kernel (% SoL) "
         "| eager fwd+bwd | Inductor fwd+bwd | fused fwd+bwd | fwd+bwd vs eager | fwd+bwd vs Inductor "
         "| backend fwd | backend fwd+bwd | backend fwd+bwd vs Inductor "
+        "| GPU fwd+bwd eager / Inductor / fused / backend | GPU fwd+bwd fused / backend vs Inductor "
         "| saved MiB eager / Inductor / fused / backend | rel err eager / Inductor / fused / backend |",
-        "|" + "---|" * 26,
+        "|" + "---|" * 28,
     ]
 
     def m(row, impl, mode):
         r = row["impl"].get(impl, {})
         if "error" in r:
             return "error"
-        v = r.get(mode, {}).get("median")
-        return "–" if v is None else f"{v:.3f}" + ("*" if r.get(mode, {}).get("estimated") else "")
+        cell = r.get(mode, {})
+        if "error" in cell:
+            return "fail"
+        v = cell.get("median", cell.get("mean"))
+        return "–" if v is None else f"{v:.3f}" + ("*" if cell.get("estimated") else "")
 
     for row in doc["rows"]:
         s, op = row["summary"], row["fused_op"]
@@ -356,7 +385,10 @@ def markdown(doc: dict) -> str:
             f"| {m(row, 'eager', 'fwdbwd')} | {m(row, 'inductor', 'fwdbwd')} | {m(row, 'fused', 'fwdbwd')} "
             f"| {s['speedup_fwdbwd_vs_eager']:.2f}x | {s['speedup_fwdbwd_vs_inductor']:.2f}x "
             f"| {m(row, 'backend', 'fwd')} | {m(row, 'backend', 'fwdbwd')} "
-            f"| {s['backend_speedup_fwdbwd_vs_inductor']:.2f}x | {saved} | {errs} |"
+            f"| {s['backend_speedup_fwdbwd_vs_inductor']:.2f}x "
+            f"| {' / '.join(m(row, i, 'fwdbwd_gpu') for i in IMPLS)} "
+            f"| {s['fused_gpu_speedup_fwdbwd_vs_inductor']:.2f}x / {s['backend_gpu_speedup_fwdbwd_vs_inductor']:.2f}x "
+            f"| {saved} | {errs} |"
         )
     lines += ["", "`*` backward estimated as fwd+bwd − fwd (the compiled graph could not be replayed)."]
     return "\n".join(lines) + "\n"
@@ -410,7 +442,8 @@ def main(argv=None) -> int:
             f"({100 * s['op_bwd_frac_sol']:.0f}%), 2-kernel {op['bwd_two_kernel']['median']:.3f} "
             f"({100 * s['op_bwd_two_kernel_frac_sol']:.0f}%); fwd+bwd vs eager {s['speedup_fwdbwd_vs_eager']:.2f}x, "
             f"vs Inductor {s['speedup_fwdbwd_vs_inductor']:.2f}x (backend {s['backend_speedup_fwdbwd_vs_inductor']:.2f}x), "
-            f"fwd vs Inductor {s['speedup_fwd_vs_inductor']:.2f}x "
+            f"fwd vs Inductor {s['speedup_fwd_vs_inductor']:.2f}x; GPU time fwd+bwd vs Inductor "
+            f"{s['fused_gpu_speedup_fwdbwd_vs_inductor']:.2f}x (backend {s['backend_gpu_speedup_fwdbwd_vs_inductor']:.2f}x) "
             f"[{time.time() - t0:.0f}s]",
             flush=True,
         )

@@ -89,6 +89,8 @@ def stage_ring(tt, op, bwd, bw):
             fwd = lambda: op(x, None, None, s, h, EPS, torch.bfloat16)  # noqa: E731
             back = lambda: bwd(dy, x, None, None, s, h, mean, rstd)  # noqa: E731
             sol_f, sol_b = sol_ms(x, 2, bw), sol_ms(x, 3, bw)
+            copy = median_ms(tt, lambda: x.clone())  # the same 2 x-sized moves as the forward, by torch
+            print(f"B={B} D={D} copy of x (clone): {copy:.3f} ms ({100 * sol_f / copy:.0f}%)", flush=True)
             stages = ("0", "auto", "2", "3", "4", "8")
             by_setting(tt, f"B={B} D={D} fwd stages", fwd, sol_f, "ADAPTIVELOAD_FWD_STAGES", stages)
             by_setting(tt, f"B={B} D={D} bwd stages", back, sol_b, "ADAPTIVELOAD_BWD_STAGES", stages)
@@ -96,10 +98,14 @@ def stage_ring(tt, op, bwd, bw):
                 caps = ("512", "256", "128", "64")
                 by_setting(tt, f"B={B} D={D} fwd max_threads", fwd, sol_f, "ADAPTIVELOAD_MAX_THREADS", caps)
                 by_setting(tt, f"B={B} D={D} bwd max_threads", back, sol_b, "ADAPTIVELOAD_MAX_THREADS", caps)
-    for D in (1536, 3072, 5120):  # per-token scale and shift: 4 x-sized moves
+    for D in (1536, 3072, 5120):  # per-token scale and shift: 4 (forward) / 6 (backward) x-sized moves
         x, s, h = per_token(1, 65536, D)
+        dy = torch.randn_like(x)
+        y, mean, rstd = op(x, None, None, s, h, EPS, torch.bfloat16)
         by_setting(tt, f"B=1 D={D} per-token fwd stages", lambda: op(x, None, None, s, h, EPS, torch.bfloat16),
                    sol_ms(x, 4, bw), "ADAPTIVELOAD_FWD_STAGES", ("0", "auto", "2", "3", "4"))
+        by_setting(tt, f"B=1 D={D} per-token bwd stages", lambda: bwd(dy, x, None, None, s, h, mean, rstd),
+                   sol_ms(x, 6, bw), "ADAPTIVELOAD_BWD_STAGES", ("0", "auto", "2", "3", "4"))
 
 
 def stage_wide(tt, op, bwd, bw):

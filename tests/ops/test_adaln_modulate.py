@@ -564,6 +564,41 @@ def test_kernels_bf16_accuracy_matches_inductor_bound(kernels, layout):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [1536, 5120, 16384])
+@pytest.mark.parametrize("rows", ["first-element-outlier", "outlier-only", "offset"])
+@pytest.mark.parametrize("layout", ["per-sample", "per-token"])
+def test_kernels_statistics_on_hard_rows(kernels, dtype, D, rows, layout):
+    """Forward statistics on rows that break naive formulas: an outlier of +-100-250 among N(0, 1)
+    values, all of a row's variance in one element, rows offset by up to +-2000 from each other
+    (E[x^2] - E[x]^2 would cancel). Many rows a sample, so tiles hold many rows and the forward's
+    ring slots are reused (D = 1536 / 5120: the ring, 2 / 4 chunks a thread; 16384: the register
+    path, 8 chunks), and every row has its own values, so statistics taken from another row fail.
+    Against float64 of the same 16-bit values: mean to 1e-6 of the largest value, rstd to 1e-3
+    relative, y to the dtype's bound."""
+    gen = torch.Generator().manual_seed(D)
+    shape = (2, 4096 if D <= 5120 else 1024, D)
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    per_row = torch.rand(*shape[:-1], generator=gen, dtype=torch.float64)  # one value in [0, 1) a row
+    if rows == "first-element-outlier":
+        x[..., 0] = (100 + 150 * per_row) * torch.where(per_row > 0.5, 1.0, -1.0)
+    elif rows == "outlier-only":  # (x_0 - mean)^2 = (D - 1) var
+        x.zero_()[..., 0] = 50 + 150 * per_row
+    else:
+        x = 0.5 * x + (4000 * per_row - 2000).unsqueeze(-1)
+    x = x.to(dtype).cuda()
+    scale = make_mod(layout, shape, dtype, "cuda", gen)
+    shift = make_mod(layout, shape, dtype, "cuda", gen)
+    y, mean, rstd = torch.ops.adaptiveload.adaln_modulate(x, None, None, scale, shift, EPS, dtype)
+    xd = x.double()
+    mean_ref = xd.mean(-1)
+    rstd_ref = (xd.var(-1, unbiased=False) + EPS).rsqrt()
+    assert (mean.double() - mean_ref).abs().max().item() <= 1e-6 * xd.abs().max().item()
+    assert (rstd.double() / rstd_ref - 1).abs().max().item() <= 1e-3
+    assert_rel(y, eager_chain(xd, None, None, scale.double(), shift.double()), TOL[dtype], "y")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("layout", ["per-sample", "per-token", "shared"])
 def test_kernels_backward_is_deterministic(kernels, layout):
     B, N, D = 2, 65536, 1536
