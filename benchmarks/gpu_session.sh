@@ -95,10 +95,10 @@ for D in (1536, 3072, 5120):
     bwd(dy, x, None, None, s, h, mean, rstd)
 torch.cuda.synchronize()
 PY
-  ADAPTIVELOAD_REQUIRE_KERNEL=1 timeout 240 ncu --clock-control none -k regex:adaln \
+  ADAPTIVELOAD_REQUIRE_KERNEL=1 timeout 240 ncu --clock-control none -k "regex:fwd_kernel|bwd_row_kernel|bwd_reduce_kernel" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section MemoryWorkloadAnalysis python3 /tmp/ncu_cases.py >"$OUT/ncu.txt" 2>&1
-  echo "ncu: exit $?"; grep -E "adaln::|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Size|Grid Size|Duration" "$OUT/ncu.txt" | head -90
+  echo "ncu: exit $?"; grep -E "fwd_kernel|bwd_row_kernel|bwd_reduce_kernel|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Size|Grid Size|Duration" "$OUT/ncu.txt" | head -90
 fi
 if want bench-quick; then
   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_adaln.py --B 1 2 --N 65536 --D 1536 3072 5120 --layouts per-sample \
