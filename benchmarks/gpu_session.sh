@@ -17,9 +17,10 @@
 #              16384; x of 512 MiB; default settings)
 #   host       host time of one forward+backward call per implementation (bench_adaln.host_time_us;
 #              compiles Inductor and the backend first, ~1-2 min; 240 s limit)
-#   ncu        Nsight Compute on GPU 0: speed-of-light, occupancy, launch, warp-state and memory
-#              sections of the forward, one-pass backward and reduce kernels at N = 65536, bf16,
-#              D = 1536 / 3072 / 5120, per-sample fp32 modulation (clocks left alone) -> $OUT/ncu.txt
+#   ncu        Nsight Compute on GPU 0: speed-of-light, occupancy, launch, warp-state, memory,
+#              scheduler, instruction and source-counter (stall sampling) sections of the forward,
+#              one-pass backward and reduce kernels at N = 65536, bf16, D = 1536 / 3072 / 5120,
+#              per-sample fp32 modulation (clocks left alone) -> $OUT/ncu.txt
 # Usage: benchmarks/gpu_session.sh build tests sweep bench-quick
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -97,7 +98,8 @@ torch.cuda.synchronize()
 PY
   ADAPTIVELOAD_REQUIRE_KERNEL=1 timeout 240 ncu --clock-control none -k "regex:fwd_kernel|bwd_row_kernel|bwd_reduce_kernel" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis python3 /tmp/ncu_cases.py >"$OUT/ncu.txt" 2>&1
+    --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats --section SourceCounters \
+    python3 /tmp/ncu_cases.py >"$OUT/ncu.txt" 2>&1
   echo "ncu: exit $?"; grep -E "fwd_kernel|bwd_row_kernel|bwd_reduce_kernel|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Size|Grid Size|Duration" "$OUT/ncu.txt" | head -90
 fi
 if want bench-quick; then
