@@ -571,7 +571,7 @@ def test_kernels_bf16_accuracy_matches_inductor_bound(kernels, layout):
 def test_kernels_statistics_on_hard_rows(kernels, dtype, D, rows, layout):
     """Forward statistics on rows that break naive formulas: an outlier of +-100-250 among N(0, 1)
     values, all of a row's variance in one element, rows offset by up to +-2000 from each other
-    (E[x^2] - E[x]^2 would cancel; in bf16 a quarter of these rows round to constants, variance 0).
+    (E[x^2] - E[x]^2 would cancel; in bf16 a quarter to a third of these rows round to constants, variance 0).
     Many rows a sample, so tiles hold many rows and the forward's ring slots are reused (per-sample
     rows take the ring at 2 / 4 / 4 chunks a thread for D = 1536 / 5120 / 16384, per-token rows at
     2 / 2 chunks and the register path at 16384, whose arithmetic the ring tests show is the same
