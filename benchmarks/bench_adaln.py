@@ -71,7 +71,6 @@ def copy_bandwidth(tt) -> float:
     a = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda").random_()
     b = torch.empty_like(a)
     ms = tt.do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
-    del a, b
     return 2 * COPY_BYTES / (ms * 1e-3)
 
 
@@ -234,7 +233,7 @@ def run_shape(tt, B, N, D, layout, pattern, bw, l2_bytes, gen) -> dict:
             res["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
             print(f"  {impl} failed at B={B} N={N} D={D} {layout} {pattern}: {res['error']}", flush=True)
         row["impl"][impl] = res
-        del fn
+        fn = None  # frees the compiled graphs (the closures above share this cell) before the next implementation
         torch.cuda.empty_cache()
     row["fused_op"] = op_only(tt, sets, linear, layout, pattern)
     return row
