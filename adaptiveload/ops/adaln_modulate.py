@@ -251,9 +251,9 @@ def _ring_stages(name: str) -> int:
     """``ADAPTIVELOAD_FWD_STAGES`` / ``ADAPTIVELOAD_BWD_STAGES``: rows of the forward's / backward
     row kernel's shared-memory ring on sm_90 ("auto", the default: the launcher's choice, about
     32 KB (forward) / 64 KB (backward) of rows, 2 rows in the backward with per-token scale; 2-8:
-    that many rows; "0": the register prefetch of one row). The kernels use the register prefetch where the ring cannot run (unaligned rows, a
-    forward row wider than 4 chunks a thread (2 per-token), a backward row wider than 16 elements a
-    thread, GPUs before sm_90).
+    that many rows; "0": the register prefetch of one row). The kernels use the register prefetch
+    where the ring cannot run (unaligned rows, a forward row wider than 4 chunks a thread (2
+    per-token), a backward row wider than 16 elements a thread, GPUs before sm_90).
 
     Raises:
         ValueError: a value other than "auto" or an integer 0, 2..8.
