@@ -94,6 +94,12 @@ def stage_ring(tt, op, bwd, bw):
             stages = ("0", "auto", "2", "3", "4", "8")
             by_setting(tt, f"B={B} D={D} fwd stages", fwd, sol_f, "ADAPTIVELOAD_FWD_STAGES", stages)
             by_setting(tt, f"B={B} D={D} bwd stages", back, sol_b, "ADAPTIVELOAD_BWD_STAGES", stages)
+            by_setting(tt, f"B={B} D={D} fwd row order", fwd, sol_f, "ADAPTIVELOAD_FWD_ROW_ORDER",
+                       ("tile", "interleave"))
+            os.environ["ADAPTIVELOAD_FWD_ROW_ORDER"] = "interleave"
+            by_setting(tt, f"B={B} D={D} fwd stages (interleaved rows)", fwd, sol_f, "ADAPTIVELOAD_FWD_STAGES",
+                       ("auto", "2", "4"))
+            os.environ.pop("ADAPTIVELOAD_FWD_ROW_ORDER")
             if D < 5120:  # fewer threads a row, more chunks a thread (the ring at auto)
                 caps = ("512", "256", "128", "64")
                 by_setting(tt, f"B={B} D={D} fwd max_threads", fwd, sol_f, "ADAPTIVELOAD_MAX_THREADS", caps)

@@ -30,10 +30,14 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   __shared__ float red[2 * 1 * 32];
   __shared__ __align__(8) uint64_t full[RING ? kMaxStages : 1];
   int parity = 0;
-  const int64_t b = blockIdx.x / tiles;
-  const int64_t n0 = (blockIdx.x % tiles) * rows_per_tile;
-  const int64_t n1 = min(a.N, n0 + rows_per_tile);
-  if (n0 >= n1) return;  // whole block: no barrier is skipped by part of it
+  const int64_t b = blockIdx.x / tiles, t = blockIdx.x % tiles;
+  // The block's rows: the k-th (0 <= k < count) is row first + k * step of sample b. Tile order: a
+  // tile of consecutive rows; interleaved order (a.interleave): rows t, t + tiles, t + 2 tiles, ...
+  // so that at any time the blocks of a wave read neighbouring rows.
+  const int64_t first = a.interleave ? t : t * rows_per_tile, step = a.interleave ? tiles : 1;
+  const int64_t count = a.interleave ? (t < a.N ? (a.N - 1 - t) / tiles + 1 : 0)
+                                     : min(a.N, first + rows_per_tile) - min(a.N, first);
+  if (count <= 0) return;  // whole block: no barrier is skipped by part of it
   const int D = a.D, T = blockDim.x, tid = threadIdx.x;
   const bool al = a.aligned;
   const Tx* __restrict__ x = static_cast<const Tx*>(a.x);
@@ -55,8 +59,10 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   const size_t stride = x_stride + (PT ? mr.count() : 0) * m_stride;
   const size_t h_off = x_stride + (s_row ? m_stride : 0);
   char* ring = reinterpret_cast<char*>(coef_smem + 2 * C * (VEC / 4) * T);
+  auto row = [&](int64_t k) { return first + k * step; };
   auto x_row = [&](int64_t n) { return x + (b * a.N + n) * static_cast<int64_t>(D); };
-  auto fetch = [&](int slot, int64_t n) {  // thread 0: row n (and its modulation rows) into a ring slot
+  auto fetch = [&](int slot, int64_t k) {  // thread 0: the k-th row (and its modulation rows) into a ring slot
+    const int64_t n = row(k);
     char* dst = ring + slot * stride;
     async_proxy_fence();
     mbar_expect(&full[slot], row_bytes + (s_row ? mod_bytes : 0u) + (h_row ? mod_bytes : 0u));
@@ -65,7 +71,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
     if (h_row) bulk_copy(dst + h_off, sh + n * a.shift.sn, mod_bytes, &full[slot]);
   };
   RingCursor cur{full, S};
-  if constexpr (RING) cur.start(n0, n1, fetch);
+  if constexpr (RING) cur.start(0, count, fetch);
 #pragma unroll
   for (int c = 0; c < C; ++c) {  // (with the ring: while the first rows land)
     const int col = (c * T + tid) * VEC;
@@ -89,9 +95,10 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
 
   const float inv_d = 1.f / static_cast<float>(D);
   Raw<Tx, VEC> nx[C];  // register path: the next row, loaded while this one is reduced
-  if constexpr (!RING) load_chunks(x_row(n0), D, T, tid, al, nx);
+  if constexpr (!RING) load_chunks(x_row(first), D, T, tid, al, nx);
 
-  for (int64_t n = n0; n < n1; ++n) {
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t n = row(k);
     Raw<Tx, VEC> rx[C];
     if constexpr (RING) {
       cur.wait();
@@ -99,7 +106,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
     } else {
 #pragma unroll
       for (int c = 0; c < C; ++c) rx[c] = nx[c];
-      if (n + 1 < n1) load_chunks(x_row(n + 1), D, T, tid, al, nx);
+      if (k + 1 < count) load_chunks(x_row(row(k + 1)), D, T, tid, al, nx);
     }
     float xv[C][VEC];
 #pragma unroll
@@ -128,17 +135,24 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
 #pragma unroll
       for (int j = 0; j < VEC; ++j) sum[0] += xv[c][j];  // out-of-range elements are zero
     block_sum<1>(sum, red, parity);
-    if constexpr (RING) cur.release(n, n1, fetch);  // every thread has read the slot
+    if constexpr (RING) cur.release(k, count, fetch);  // every thread has read the slot
     const float mean = sum[0] * inv_d;
 
     float sq[1] = {0.f};
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int col = (c * T + tid) * VEC;
+      if constexpr (RING) {  // aligned rows (D % VEC == 0): a group is wholly in the row or past its end
+        if (col < D) {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float dlt = (col + j < D) ? xv[c][j] - mean : 0.f;
-        sq[0] += dlt * dlt;
+          for (int j = 0; j < VEC; ++j) sq[0] += (xv[c][j] - mean) * (xv[c][j] - mean);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float dlt = (col + j < D) ? xv[c][j] - mean : 0.f;
+          sq[0] += dlt * dlt;
+        }
       }
     }
     block_sum<1>(sq, red, parity);

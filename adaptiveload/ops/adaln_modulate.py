@@ -266,6 +266,21 @@ def _ring_stages(name: str) -> int:
     raise ValueError(f"{name}={value!r}: expected 'auto', 0 or 2..8")
 
 
+def _fwd_interleave() -> bool:
+    """``ADAPTIVELOAD_FWD_ROW_ORDER``: which rows a forward block takes ("tile", the default: a tile
+    of consecutive rows; "interleave": rows t, t + tiles, t + 2 tiles, ... of its sample, so the
+    blocks of the wave read neighbouring rows at any time). A tuning knob for benchmarks; the result
+    is bit for bit the same.
+
+    Raises:
+        ValueError: a value other than "tile" or "interleave".
+    """
+    value = os.environ.get("ADAPTIVELOAD_FWD_ROW_ORDER", "tile").strip().lower()
+    if value not in ("tile", "interleave"):
+        raise ValueError(f"ADAPTIVELOAD_FWD_ROW_ORDER={value!r}: expected 'tile' or 'interleave'")
+    return value == "interleave"
+
+
 def _two_kernel_backward() -> bool:
     """``ADAPTIVELOAD_BWD=two_kernel`` selects the reference design of the backward (a dx kernel and a
     column kernel re-reading x and dy) instead of the one-pass kernel; for benchmarks."""
@@ -288,7 +303,7 @@ def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
     if ops is None:
         return reference.forward(x, weight, bias, scale, shift, eps, out_dtype)
     return ops.forward(x, weight, bias, scale, shift, float(eps), out_dtype, _max_threads(),
-                       _ring_stages("ADAPTIVELOAD_FWD_STAGES"))
+                       _ring_stages("ADAPTIVELOAD_FWD_STAGES"), _fwd_interleave())
 
 
 @adaln_modulate_backward.register_kernel("cuda")
