@@ -337,7 +337,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "interleave): "
         "the CUDA body of adaptiveload::adaln_modulate (inputs validated by the caller)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"), py::arg("eps"),
-        py::arg("out_dtype"), py::arg("max_threads") = 0, py::arg("stages") = -1, py::arg("interleave") = false);
+        py::arg("out_dtype"), py::arg("max_threads") = 0, py::arg("stages") = -1, py::arg("interleave") = true);
   m.def("backward", &adaln::op_backward,
         "dx, dweight, dbias, dscale, dshift = backward(dy, x, weight?, bias?, scale, shift?, mean, rstd, "
         "two_kernel, max_threads, stages): the CUDA body of adaptiveload::adaln_modulate_backward",

@@ -58,9 +58,9 @@ struct FwdArgs {
   // Rows of the forward's shared-memory ring: 0 = register prefetch (one row ahead), -1 = chosen by
   // the launcher, 2..kMaxStages = that many (the launcher falls back to 0 where the ring cannot run).
   int stages = 0;
-  // Row order of a forward block: false = a tile of consecutive rows, true = interleaved (rows t,
-  // t + tiles, ... of its sample, so the blocks of the wave sweep x together).
-  bool interleave = false;
+  // Row order of a forward block: true = interleaved (rows t, t + tiles, ... of its sample, so the
+  // blocks of the wave sweep x together; the default), false = a tile of consecutive rows.
+  bool interleave = true;
 };
 
 struct BwdArgs {

@@ -267,15 +267,15 @@ def _ring_stages(name: str) -> int:
 
 
 def _fwd_interleave() -> bool:
-    """``ADAPTIVELOAD_FWD_ROW_ORDER``: which rows a forward block takes ("tile", the default: a tile
-    of consecutive rows; "interleave": rows t, t + tiles, t + 2 tiles, ... of its sample, so the
-    blocks of the wave read neighbouring rows at any time). A tuning knob for benchmarks; the result
+    """``ADAPTIVELOAD_FWD_ROW_ORDER``: which rows a forward block takes ("interleave", the default:
+    rows t, t + tiles, t + 2 tiles, ... of its sample, so the blocks of the wave read neighbouring
+    rows at any time; "tile": a tile of consecutive rows). A tuning knob for benchmarks; the result
     is bit for bit the same.
 
     Raises:
         ValueError: a value other than "tile" or "interleave".
     """
-    value = os.environ.get("ADAPTIVELOAD_FWD_ROW_ORDER", "tile").strip().lower()
+    value = os.environ.get("ADAPTIVELOAD_FWD_ROW_ORDER", "interleave").strip().lower()
     if value not in ("tile", "interleave"):
         raise ValueError(f"ADAPTIVELOAD_FWD_ROW_ORDER={value!r}: expected 'tile' or 'interleave'")
     return value == "interleave"

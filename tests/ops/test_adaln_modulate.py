@@ -304,11 +304,11 @@ def test_ring_stage_setting(monkeypatch, name):
 
 
 def test_fwd_row_order_setting(monkeypatch):
-    """Unset or "tile": consecutive rows; "interleave": interleaved rows; anything else names the variable."""
+    """Unset or "interleave": interleaved rows; "tile": consecutive rows; anything else names the variable."""
     from adaptiveload.ops.adaln_modulate import _fwd_interleave
 
     monkeypatch.delenv("ADAPTIVELOAD_FWD_ROW_ORDER", raising=False)
-    assert _fwd_interleave() is False
+    assert _fwd_interleave() is True
     for value, expected in [("tile", False), (" Tile", False), ("interleave", True), ("INTERLEAVE ", True)]:
         monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", value)
         assert _fwd_interleave() is expected, value
@@ -452,7 +452,7 @@ def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatc
     reduction trees); the automatic shape is checked against float64 at the end."""
     gen = torch.Generator(device="cuda").manual_seed(21)
     monkeypatch.setenv("ADAPTIVELOAD_MAX_THREADS", "512")
-    monkeypatch.delenv("ADAPTIVELOAD_FWD_ROW_ORDER", raising=False)
+    monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", "tile")
     cases = [  # (B, N, D, x dtype, modulation layout); per-token D <= 8192 (16-bit x) takes the ring
         (1, 1, 1536, torch.bfloat16, "per-sample"), (3, 7, 3072, torch.bfloat16, "per-sample"),
         (2, 4099, 5120, torch.bfloat16, "per-sample"), (1, 65536, 1536, torch.bfloat16, "per-sample"),
@@ -488,14 +488,15 @@ def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatc
         assert (launched["0"] != launched[stages]) == takes_ring, (where, launched)
         for name, ref, got in zip(("y", "mean", "rstd"), outputs["0"], outputs[stages]):
             assert torch.equal(ref, got), f"{name} differs at {where}"
-        # interleaved rows (t, t + tiles, ...), through the ring and the register forward: the same rows
+        # interleaved rows (t, t + tiles, ...; the default), through the ring and the register forward:
+        # the same rows as tiles of consecutive rows
         monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", "interleave")
         for setting in ("0", stages):
             monkeypatch.setenv("ADAPTIVELOAD_FWD_STAGES", setting)
             got = torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype)
             for name, ref, g in zip(("y", "mean", "rstd"), outputs["0"], got):
                 assert torch.equal(ref, g), f"{name} differs at {where} interleaved, stages {setting}"
-        monkeypatch.delenv("ADAPTIVELOAD_FWD_ROW_ORDER")
+        monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", "tile")
     # and the ring itself, in its automatic block shape, against float64 (the environment still selects it)
     monkeypatch.delenv("ADAPTIVELOAD_MAX_THREADS")
     check_against_float64((1, 3000, 1536), torch.bfloat16, "per-sample", "per-sample", True, "cuda", 8)
