@@ -12,7 +12,8 @@
 #   ring       forward and backward timings of the shared-memory row rings (ADAPTIVELOAD_FWD_STAGES /
 #              ADAPTIVELOAD_BWD_STAGES = 0, auto, 2, 3, 4, 8) at N = 65536, bf16, per-sample, B = 1 / 2,
 #              D = 1536 / 3072 / 5120 (and thread caps ADAPTIVELOAD_MAX_THREADS = 512, 256, 128, 64 at
-#              D = 1536 / 3072), a clone of x of the same size, per-token forward and backward rows
+#              D = 1536 / 3072), the forward's row orders (ADAPTIVELOAD_FWD_ROW_ORDER = tile / interleave,
+#              alternated three times), a clone of x of the same size, per-token forward and backward rows
 #   wide       forward and backward at wide rows (fp32 x D = 3072 / 5120 / 8192, bf16 D = 8192 / 12288 /
 #              16384; x of 512 MiB; default settings)
 #   host       host time of one forward+backward call per implementation (bench_adaln.host_time_us;
