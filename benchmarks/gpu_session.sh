@@ -8,7 +8,9 @@
 #   sanitize   benchmarks/sanitize.sh after the tests, on the same GPU
 #   sweep, ring, wide, host: benchmarks/kernel_stages.py <stage> on GPU 0 -> $OUT/<stage>.log
 #   sweep      op-only timings over thread caps (ADAPTIVELOAD_MAX_THREADS)
-#   bench-quick / bench   benchmarks/bench_adaln.py on GPU 0 (a subset / the full grid)
+#   bench-quick / bench   benchmarks/bench_adaln.py on GPU 0 (a subset / BENCH_ARGS, default the session
+#              preset); BENCH_AFTER_TESTS=1 starts it only once the tests and the sanitizer are done, so
+#              that its host-bound wall times do not share the host with them
 #   ring       forward and backward timings of the shared-memory row rings (ADAPTIVELOAD_FWD_STAGES /
 #              ADAPTIVELOAD_BWD_STAGES = 0, auto, 2, 3, 4, 8) at N = 65536, bf16, per-sample, B = 1 / 2,
 #              D = 1536 / 3072 / 5120 (and thread caps ADAPTIVELOAD_MAX_THREADS = 512, 256, 128, 64 at
@@ -102,6 +104,9 @@ PY
     --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats --section SourceCounters \
     python3 /tmp/ncu_cases.py >"$OUT/ncu.txt" 2>&1
   echo "ncu: exit $?"; grep -E "fwd_kernel|bwd_row_kernel|bwd_reduce_kernel|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Size|Grid Size|Duration" "$OUT/ncu.txt" | head -90
+fi
+if [[ -n "${BENCH_AFTER_TESTS:-}" && -n "${side:-}" ]] && { want bench-quick || want bench; }; then
+  wait "$side"; side=  # host-bound wall times: no test process competing for the host
 fi
 if want bench-quick; then
   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_adaln.py --B 1 2 --N 65536 --D 1536 3072 5120 --layouts per-sample \
