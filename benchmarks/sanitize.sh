@@ -35,10 +35,12 @@ for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
     os.environ["ADAPTIVELOAD_BWD"] = design
     # the shared-memory rings where the case allows them (aligned rows; backward: <= 16 elements a
     # thread, per-token scale rows in the slot in case 1, fp32 4 chunks in case 5; both two-kernel cases;
-    # interleaved forward rows in cases 1, 3 and 7, case 7 through a 2-slot ring that wraps)
+    # interleaved forward rows in cases 1, 3 and 7, case 7 through a 2-slot ring that wraps; interleaved
+    # backward rows in cases 0, 1, 4 (register kernel) and 7)
     os.environ["ADAPTIVELOAD_FWD_STAGES"] = ("auto", "auto", "2", "0", "0", "3", "auto", "2")[i]
     os.environ["ADAPTIVELOAD_BWD_STAGES"] = ("auto", "auto", "3", "0", "0", "auto", "0", "auto")[i]
     os.environ["ADAPTIVELOAD_FWD_ROW_ORDER"] = "interleave" if i in (1, 3, 7) else "tile"
+    os.environ["ADAPTIVELOAD_BWD_ROW_ORDER"] = "interleave" if i in (0, 1, 4, 7) else "tile"
     x = torch.randn(B, N, D, device="cuda", generator=g).to(xdt)
     if layout == "strided":
         scale, shift = (t.unsqueeze(1) for t in torch.randn(B, 3 * D, device="cuda", generator=g).to(mdt).chunk(3, -1)[:2])
