@@ -332,9 +332,10 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 }
 
 // Slot bookkeeping of a shared-memory row ring, for the forward and the backward row kernels:
-// `full` holds one mbarrier per slot; row n of a block's rows [n0, n1) sits in slot (n - n0) % S,
-// and its use of that slot has parity ((n - n0) / S) & 1. `fetch(slot, n)` (thread 0) issues the
-// bulk copies of row n into a slot.
+// `full` holds one mbarrier per slot; the k-th of a block's rows, k in [k0, k1), sits in slot
+// (k - k0) % S, and its use of that slot has parity ((k - k0) / S) & 1. `fetch(slot, k)` (thread 0)
+// issues the bulk copies of the k-th row into a slot; the kernels map k to a row of x (a tile of
+// consecutive rows, or every tiles-th row with the interleaved order).
 struct RingCursor {
   uint64_t* full;
   int S;
@@ -351,8 +352,8 @@ struct RingCursor {
   }
   // Every thread: wait until the current row has landed in its slot.
   __device__ __forceinline__ void wait() const { mbar_wait(&full[slot], phase); }
-  // Every thread, after a block barrier that follows the last read of row n's slot: thread 0
-  // refills the slot with row n + S; then on to the next slot.
+  // Every thread, after a block barrier that follows the last read of the k-th row's slot (n = k
+  // here): thread 0 refills the slot with the (k + S)-th row; then on to the next slot.
   template <typename Fetch>
   __device__ __forceinline__ void release(int64_t n, int64_t n1, const Fetch& fetch) {
     if (threadIdx.x == 0 && n + S < n1) fetch(slot, n + S);
