@@ -2,15 +2,24 @@
 
     y = (LayerNorm(x) * (1 + scale) + shift).to(out_dtype)
 
-Registrations, in one place: the schema (``torch.library.custom_op``), input validation, the fake
-kernel (symbolic shapes), the autograd formula (through ``adaptiveload::adaln_modulate_backward``),
-the CPU implementation (``reference.py``) and the CUDA implementation (the ``csrc/`` kernels,
-falling back to the reference with one warning when they cannot be built).
+Registrations, in one place, one per dispatch key: the schemas (``torch.library.Library.define``),
+input validation, the fake kernels (symbolic shapes), the autograd formula (an Autograd-key kernel
+around a ``torch.autograd.Function`` that calls ``adaptiveload::adaln_modulate_backward``), the
+reference implementation (``reference.py``: CPU and any device without its own kernel) and the CUDA
+implementation (the ``csrc/`` kernels, falling back to the reference with one warning when they
+cannot be built).
+
+The ops are registered with the dispatcher directly rather than with ``torch.library.custom_op``,
+whose per-call machinery (argument re-packing, a dataclass, an output-aliasing check, extra
+redispatches) made a forward+backward cost the host about 1.7x the time of these registrations
+(no-op kernels, CPU). The kernels return fresh tensors, never inputs or views of them (the tests
+check it, and opcheck). The eager kernels validate their inputs once per distinct signature of
+shapes and dtypes, the fake kernels on every trace.
 """
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -115,17 +124,46 @@ def check_backward_inputs(
                              f"{list(x.shape[:-1])} (one per row of x)")
 
 
-@torch.library.custom_op("adaptiveload::adaln_modulate", mutates_args=())
-def adaln_modulate(
-    x: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    scale: Tensor,
-    shift: Optional[Tensor],
-    eps: float,
-    out_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Fused ``LayerNorm(x) * (1 + scale) + shift``, cast to ``out_dtype``.
+_VALIDATED: set = set()  # signatures (check, shapes, dtypes) that passed their check
+_MAX_VALIDATED = 4096
+
+
+def _validate(check: Callable[..., None], tensors: tuple[Optional[Tensor], ...], *others) -> None:
+    """``check(*tensors, *others)``, skipped when a call with the same shapes, dtypes and ``others``
+    passed it before (the checks read nothing else of the tensors). Eager kernels only: a shape of
+    symbolic sizes (fake tensors) is not hashable. Remembers at most ``_MAX_VALIDATED`` signatures.
+
+    Raises:
+        ValueError: from ``check`` (never remembered, so a bad call raises every time).
+    """
+    key = (check, others, *[None if t is None else (t.shape, t.dtype) for t in tensors])
+    if key not in _VALIDATED:
+        check(*tensors, *others)
+        if len(_VALIDATED) >= _MAX_VALIDATED:
+            _VALIDATED.clear()
+        _VALIDATED.add(key)
+
+
+_lib = torch.library.Library("adaptiveload", "FRAGMENT")  # kept alive: the registrations live as long as it
+_lib.define(
+    "adaln_modulate(Tensor x, Tensor? weight, Tensor? bias, Tensor scale, Tensor? shift, float eps, "
+    "ScalarType out_dtype) -> (Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+_lib.define(
+    "adaln_modulate_backward(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor scale, Tensor? shift, "
+    "Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+adaln_modulate = torch.ops.adaptiveload.adaln_modulate
+adaln_modulate_backward = torch.ops.adaptiveload.adaln_modulate_backward
+_FORWARD = adaln_modulate.default
+_BACKWARD = adaln_modulate_backward.default
+
+
+def _adaln_modulate_reference(x, weight, bias, scale, shift, eps, out_dtype):
+    """``adaln_modulate`` on CPU (and any device without its own kernel): fused
+    ``LayerNorm(x) * (1 + scale) + shift``, cast to ``out_dtype``.
 
     Args:
         x: [B, ..., D] float16/bfloat16/float32/float64; the first dim is the modulation batch.
@@ -143,11 +181,11 @@ def adaln_modulate(
     Raises:
         ValueError: shapes or dtypes that do not fit (the message names the tensor and its shape).
     """
-    check_inputs(x, weight, bias, scale, shift, out_dtype)
+    _validate(check_inputs, (x, weight, bias, scale, shift), out_dtype)
     return reference.forward(x, weight, bias, scale, shift, eps, out_dtype)
 
 
-@adaln_modulate.register_fake
+@torch.library.register_fake("adaptiveload::adaln_modulate", lib=_lib)
 def _adaln_modulate_fake(x, weight, bias, scale, shift, eps, out_dtype):
     check_inputs(x, weight, bias, scale, shift, out_dtype)
     stat_dtype = reference.compute_dtype(x, weight, bias, scale, shift)
@@ -156,22 +194,13 @@ def _adaln_modulate_fake(x, weight, bias, scale, shift, eps, out_dtype):
 
 
 def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
-    """Custom ops cannot return None: an absent gradient travels as an empty tensor."""
+    """Ops cannot return None: an absent gradient travels as an empty tensor."""
     return like.new_empty((0,)) if t is None else t
 
 
-@torch.library.custom_op("adaptiveload::adaln_modulate_backward", mutates_args=())
-def adaln_modulate_backward(
-    dy: Tensor,
-    x: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    scale: Tensor,
-    shift: Optional[Tensor],
-    mean: Tensor,
-    rstd: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of :func:`adaln_modulate` from dy [*x.shape] and the saved per-row mean/rstd.
+def _adaln_modulate_backward_reference(dy, x, weight, bias, scale, shift, mean, rstd):
+    """``adaln_modulate_backward`` on CPU (and any device without its own kernel): the gradients of
+    ``adaln_modulate`` from dy [*x.shape] and the saved per-row mean/rstd.
 
     Returns ``(dx, dweight, dbias, dscale, dshift)`` in each input's own shape and dtype; the
     gradient of an absent weight/bias/shift is an empty tensor of shape [0].
@@ -179,12 +208,12 @@ def adaln_modulate_backward(
     Raises:
         ValueError: shapes or dtypes that do not fit (the message names the tensor and its shape).
     """
-    check_backward_inputs(dy, x, weight, bias, scale, shift, mean, rstd)
+    _validate(check_backward_inputs, (dy, x, weight, bias, scale, shift, mean, rstd))
     grads = reference.backward(dy, x, weight, bias, scale, shift, mean, rstd)
     return tuple(_or_empty(g, x) for g in grads)
 
 
-@adaln_modulate_backward.register_fake
+@torch.library.register_fake("adaptiveload::adaln_modulate_backward", lib=_lib)
 def _adaln_modulate_backward_fake(dy, x, weight, bias, scale, shift, mean, rstd):
     check_backward_inputs(dy, x, weight, bias, scale, shift, mean, rstd)
     def like(t):
@@ -193,30 +222,68 @@ def _adaln_modulate_backward_fake(dy, x, weight, bias, scale, shift, mean, rstd)
     return torch.empty_like(x, memory_format=torch.contiguous_format), like(weight), like(bias), like(scale), like(shift)
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, scale, shift, _eps, _out_dtype = inputs
-    _y, mean, rstd = output
-    ctx.save_for_backward(x, weight, bias, scale, shift, mean, rstd)
-    ctx.mark_non_differentiable(mean, rstd)
+_lib.impl("adaln_modulate", _adaln_modulate_reference, "CompositeExplicitAutograd")
+_lib.impl("adaln_modulate_backward", _adaln_modulate_backward_reference, "CompositeExplicitAutograd")
 
 
-def _backward(ctx, dy, _dmean, _drstd):
-    x, weight, bias, scale, shift, mean, rstd = ctx.saved_tensors
-    dx, dweight, dbias, dscale, dshift = torch.ops.adaptiveload.adaln_modulate_backward(
-        dy, x, weight, bias, scale, shift, mean, rstd
-    )
-    return (
-        dx,
-        None if weight is None else dweight,
-        None if bias is None else dbias,
-        dscale,
-        None if shift is None else dshift,
-        None,
-        None,
-    )
+# ---------------------------------------------------------------------------------------------
+# Autograd: what ``torch.library.register_autograd`` generates (torch/_library/autograd.py), less its
+# per-call work for features these schemas do not have (default and keyword-only arguments, out=).
+# The dispatch key set of the call travels into the autograd.Function as its first input, so the
+# forward redispatches below Autograd exactly as the no-grad path does.
+
+class _AdaLNModulateFunction(torch.autograd.Function):
+    """Forward: ``adaln_modulate`` below Autograd, saving the inputs and the per-row mean/rstd
+    (non-differentiable outputs); backward: ``adaln_modulate_backward``, with None for the inputs
+    that need no gradient (an absent weight/bias/shift never does)."""
+
+    @staticmethod
+    def forward(ctx, keyset, x, weight, bias, scale, shift, eps, out_dtype):
+        with torch._C._AutoDispatchBelowAutograd():
+            y, mean, rstd = _FORWARD.redispatch(keyset, x, weight, bias, scale, shift, eps, out_dtype)
+        ctx.save_for_backward(x, weight, bias, scale, shift, mean, rstd)
+        ctx.mark_non_differentiable(mean, rstd)
+        return y, mean, rstd
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _drstd):
+        grads = _BACKWARD(dy, *ctx.saved_tensors)
+        needs = ctx.needs_input_grad[1:6]  # x, weight, bias, scale, shift
+        return (None, *(g if need else None for g, need in zip(grads, needs)), None, None)
 
 
-adaln_modulate.register_autograd(_backward, setup_context=_setup_context)
+class _AdaLNModulateBackwardFunction(torch.autograd.Function):
+    """``adaln_modulate_backward`` below Autograd; it has no derivative (no double backward)."""
+
+    @staticmethod
+    def forward(ctx, keyset, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return _BACKWARD.redispatch(keyset, *args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("adaptiveload::adaln_modulate_backward has no derivative: adaln_modulate supports "
+                           "first derivatives only (no double backward)")
+
+
+def _autograd_kernel(op: torch._ops.OpOverload, function: type[torch.autograd.Function]) -> Callable:
+    """The Autograd-key kernel of ``op``: ``function`` when grad mode is on and an input requires
+    grad, else ``op`` below Autograd."""
+    after_autograd = torch._C._after_autograd_keyset
+
+    def kernel(keyset, *args):
+        keyset = keyset & after_autograd
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return function.apply(keyset, *args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset, *args)
+
+    return kernel
+
+
+_lib.impl("adaln_modulate", _autograd_kernel(_FORWARD, _AdaLNModulateFunction), "Autograd", with_keyset=True)
+_lib.impl("adaln_modulate_backward", _autograd_kernel(_BACKWARD, _AdaLNModulateBackwardFunction), "Autograd",
+          with_keyset=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,9 +366,8 @@ def _kernel_module(x: Tensor, *others: Optional[Tensor]):
     return extension.kernels()
 
 
-@adaln_modulate.register_kernel("cuda")
 def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
-    check_inputs(x, weight, bias, scale, shift, out_dtype)
+    _validate(check_inputs, (x, weight, bias, scale, shift), out_dtype)
     ops = _kernel_module(x, weight, bias, scale, shift)
     if ops is None:
         return reference.forward(x, weight, bias, scale, shift, eps, out_dtype)
@@ -309,12 +375,15 @@ def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
                        _ring_stages("ADAPTIVELOAD_FWD_STAGES"), _interleave("ADAPTIVELOAD_FWD_ROW_ORDER", "interleave"))
 
 
-@adaln_modulate_backward.register_kernel("cuda")
 def _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd):
-    check_backward_inputs(dy, x, weight, bias, scale, shift, mean, rstd)
+    _validate(check_backward_inputs, (dy, x, weight, bias, scale, shift, mean, rstd))
     ops = _kernel_module(x, weight, bias, scale, shift, mean)
     if ops is None or dy.dtype == torch.float64:
         grads = reference.backward(dy, x, weight, bias, scale, shift, mean, rstd)
         return tuple(_or_empty(g, x) for g in grads)
     return ops.backward(dy, x, weight, bias, scale, shift, mean, rstd, _two_kernel_backward(), _max_threads(),
                         _ring_stages("ADAPTIVELOAD_BWD_STAGES"), _interleave("ADAPTIVELOAD_BWD_ROW_ORDER", "tile"))
+
+
+_lib.impl("adaln_modulate", _adaln_modulate_cuda, "CUDA")
+_lib.impl("adaln_modulate_backward", _adaln_modulate_backward_cuda, "CUDA")

@@ -287,6 +287,29 @@ def test_backward_bad_inputs_raise_value_error_naming_the_tensor(kwargs, names):
         assert name in str(info.value)
 
 
+def test_validation_is_remembered_only_for_valid_signatures():
+    """The eager kernels skip the checks for shapes and dtypes that passed before; a bad call is
+    never remembered, and raises every time, also after a valid call of the same x."""
+    x, scale, bad = torch.randn(2, 5, 8), torch.randn(2, 1, 8), torch.randn(3, 1, 8)
+    for _ in range(2):
+        y, mean, rstd = torch.ops.adaptiveload.adaln_modulate(x, None, None, scale, None, EPS, torch.float32)
+        torch.ops.adaptiveload.adaln_modulate_backward(y, x, None, None, scale, None, mean, rstd)
+        with pytest.raises(ValueError, match=r"scale \(shape \[3, 1, 8\]"):
+            torch.ops.adaptiveload.adaln_modulate(x, None, None, bad, None, EPS, torch.float32)
+        with pytest.raises(ValueError, match=r"rstd \(shape \[2, 5, 1\]"):
+            torch.ops.adaptiveload.adaln_modulate_backward(y, x, None, None, scale, None, mean, rstd[..., None])
+
+
+def test_double_backward_raises():
+    """First derivatives only: backward through the gradients raises instead of returning wrong ones."""
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    scale = torch.randn(2, 1, 8, requires_grad=True)
+    y = torch.ops.adaptiveload.adaln_modulate(x, None, None, scale, None, EPS, torch.float32)[0]
+    (dx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        dx.sum().backward()
+
+
 @pytest.mark.parametrize("name", ["ADAPTIVELOAD_FWD_STAGES", "ADAPTIVELOAD_BWD_STAGES"])
 def test_ring_stage_setting(monkeypatch, name):
     """Unset: "auto" (-1, the launcher's choice); 0 and 2..8 pass through; anything else names the variable."""
