@@ -36,13 +36,12 @@ for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
     os.environ["ADAPTIVELOAD_BWD"] = design
     # the shared-memory rings where the case allows them (aligned rows; backward: <= 16 elements a
     # thread, per-token scale rows in the slot in case 1, fp32 4 chunks in case 5; the ring in the
-    # two-kernel cases 1, 5 and 7; interleaved rows over blocks of several rows: forward in case 7
-    # (a 2-slot ring that wraps) and case 8 (register path, unaligned rows), backward in cases 7 and 8;
-    # cases 0-6 have a row or a few per block, so there the two orders nearly coincide)
+    # two-kernel cases 1, 5 and 7; interleaved forward rows over blocks of several rows in case 7 (a
+    # 2-slot ring that wraps) and case 8 (register path, unaligned rows); cases 0-6 have a row or a few
+    # per block, so there the two orders nearly coincide)
     os.environ["ADAPTIVELOAD_FWD_STAGES"] = ("auto", "auto", "2", "0", "0", "3", "auto", "2", "auto")[i]
     os.environ["ADAPTIVELOAD_BWD_STAGES"] = ("auto", "auto", "3", "0", "0", "auto", "0", "auto", "auto")[i]
     os.environ["ADAPTIVELOAD_FWD_ROW_ORDER"] = "interleave" if i in (1, 3, 7, 8) else "tile"
-    os.environ["ADAPTIVELOAD_BWD_ROW_ORDER"] = "interleave" if i in (0, 1, 4, 7, 8) else "tile"
     x = torch.randn(B, N, D, device="cuda", generator=g).to(xdt)
     if layout == "strided":
         scale, shift = (t.unsqueeze(1) for t in torch.randn(B, 3 * D, device="cuda", generator=g).to(mdt).chunk(3, -1)[:2])

@@ -56,14 +56,9 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   int parity = 0;
   const int64_t tiles = a.tiles;
   const int64_t b = blockIdx.x / tiles, tile = blockIdx.x % tiles;
-  // The block's rows: the k-th (0 <= k < count) is row first + k * step of sample b, a tile of
-  // consecutive rows or (a.interleave) rows tile, tile + tiles, ... (see the forward); the column
-  // partials are sums over the block's own rows either way, in a fixed order (deterministic).
-  const int64_t first = a.interleave ? tile : tile * rows_per_tile, step = a.interleave ? tiles : 1;
-  const int64_t count = a.interleave ? (tile < a.N ? (a.N - 1 - tile) / tiles + 1 : 0)
-                                     : min(a.N, first + rows_per_tile) - min(a.N, first);
-  if (count <= 0) return;
-  auto row = [&](int64_t k) { return first + k * step; };
+  const int64_t n0 = tile * rows_per_tile;
+  const int64_t n1 = min(a.N, n0 + rows_per_tile);
+  if (n0 >= n1) return;
   const int D = a.D, T = blockDim.x, tid = threadIdx.x;
   // rows wider than the one-pass limit always take the two-kernel design (see kBwdRingElems): their
   // column partials are compiled out, so the dx-only kernel keeps its rows in registers
@@ -85,8 +80,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   const size_t x_bytes = ring_stride(D, sizeof(Tx)), s_off = x_bytes + ring_stride(D, sizeof(Tdy));
   const size_t stride = s_off + (SPT ? ring_stride(D, sizeof(Tm)) : 0);
   char* ring = reinterpret_cast<char*>(coef_smem + (SPT ? 2 : 1) * C * (VEC / 4) * T);
-  auto fetch = [&](int slot, int64_t k) {  // thread 0: x, dy (and the scale row) of the k-th row into a ring slot
-    const int64_t n = row(k);
+  auto fetch = [&](int slot, int64_t n) {  // thread 0: x, dy (and the scale row) of row n into a ring slot
     const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
     char* dst = ring + slot * stride;
     async_proxy_fence();
@@ -96,7 +90,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
     if constexpr (SPT) bulk_copy(dst + s_off, sc + n * a.scale.sn, static_cast<uint32_t>(D * sizeof(Tm)), &full[slot]);
   };
   RingCursor cur{full, S};
-  if constexpr (RING) cur.start(0, count, fetch);
+  if constexpr (RING) cur.start(n0, n1, fetch);
   float p0[C][VEC], p1[C][VEC], p2[C][VEC];
 #pragma unroll
   for (int c = 0; c < C; ++c) {
@@ -134,10 +128,9 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
     load_chunks(dy + off, D, T, tid, al, ndy);
     if constexpr (SPT) load_chunks(sc + n * a.scale.sn, D, T, tid, al, ns);
   };
-  load_row(first);
+  load_row(n0);
 
-  for (int64_t k = 0; k < count; ++k) {
-    const int64_t n = row(k);
+  for (int64_t n = n0; n < n1; ++n) {
     // The current row stays in its storage type (half the registers of fp32 for 16-bit types);
     // x_hat and g are recomputed from it after the barrier instead of being held across it.
     const float mean = nmean, rstd = nrstd;
@@ -157,7 +150,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
         if (SPT) cs[c] = ns[c];
       }
     }
-    if (k + 1 < count) load_row(row(k + 1));  // in flight while this row is reduced
+    if (n + 1 < n1) load_row(n + 1);  // in flight while this row is reduced
 
     const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
     float sums[2] = {0.f, 0.f};
@@ -198,7 +191,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
       }
     }
     block_sum<2>(sums, red, parity);
-    if constexpr (RING) cur.release(k, count, fetch);  // every thread holds the row in registers
+    if constexpr (RING) cur.release(n, n1, fetch);  // every thread holds the row in registers
     const float mg = sums[0] * inv_d, mgx = sums[1] * inv_d;
 
 #pragma unroll

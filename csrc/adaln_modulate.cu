@@ -148,7 +148,7 @@ std::vector<Tensor> forward_rows(const Tensor& x, const optional<Tensor>& weight
 std::vector<Tensor> backward_rows(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
                                   const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
                                   const Tensor& mean, const Tensor& rstd, bool two_kernel, int64_t max_threads,
-                                  int64_t stages, bool interleave) {
+                                  int64_t stages) {
   check_x(x, "x");
   check_x(dy, "dy");
   const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
@@ -190,7 +190,6 @@ std::vector<Tensor> backward_rows(const Tensor& dy, const Tensor& x, const optio
   a.two_kernel = two_kernel;
   a.max_threads = static_cast<int>(max_threads);
   a.stages = static_cast<int>(stages);
-  a.interleave = interleave;
 
   auto f32 = x.options().dtype(at::kFloat);
   auto dx = at::empty_like(x);
@@ -313,14 +312,14 @@ Tensor or_empty(const optional<Tensor>& g, const Tensor& x) { return g.has_value
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> op_backward(
     const Tensor& dy_in, const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
     const Tensor& scale, const optional<Tensor>& shift, const Tensor& mean, const Tensor& rstd, bool two_kernel,
-    int64_t max_threads, int64_t stages, bool interleave) {
+    int64_t max_threads, int64_t stages) {
   const int64_t B = x.size(0), D = x.size(-1);
   const Tensor dy = dy_in.scalar_type() == x.scalar_type() || dy_in.scalar_type() == at::kFloat ? dy_in : dy_in.to(at::kFloat);
   const auto [scale_rows, shift_rows] = scale_shift_rows(x, scale, shift);
   auto g = backward_rows(dy.contiguous().view({B, -1, D}), x.contiguous().view({B, -1, D}), affine_f32(weight),
                          affine_f32(bias), scale_rows, shift_rows,
                          mean.to(at::kFloat).contiguous().view(-1), rstd.to(at::kFloat).contiguous().view(-1),
-                         two_kernel, max_threads, stages, interleave);
+                         two_kernel, max_threads, stages);
   optional<Tensor> dweight, dbias, dshift;
   if (weight.has_value()) dweight = g[3].to(weight->scalar_type());
   if (bias.has_value()) dbias = g[4].to(bias->scalar_type());
@@ -341,10 +340,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out_dtype"), py::arg("max_threads") = 0, py::arg("stages") = -1, py::arg("interleave") = true);
   m.def("backward", &adaln::op_backward,
         "dx, dweight, dbias, dscale, dshift = backward(dy, x, weight?, bias?, scale, shift?, mean, rstd, "
-        "two_kernel, max_threads, stages, interleave): the CUDA body of adaptiveload::adaln_modulate_backward",
+        "two_kernel, max_threads, stages): the CUDA body of adaptiveload::adaln_modulate_backward",
         py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"),
         py::arg("mean"), py::arg("rstd"), py::arg("two_kernel") = false,
-        py::arg("max_threads") = 0, py::arg("stages") = -1, py::arg("interleave") = false);
+        py::arg("max_threads") = 0, py::arg("stages") = -1);
   m.def("modulation_rows", [](const at::Tensor& t, const at::Tensor& x) { return adaln::modulation_rows(t, x, t.scalar_type()); },
         "the [B or 1, N or 1, D] row view of modulation t that the kernels read for x (a copy only where the "
         "token dims do not collapse to one stride or D is not unit-stride)", py::arg("t"), py::arg("x"));

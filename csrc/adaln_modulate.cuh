@@ -91,7 +91,6 @@ struct BwdArgs {
   bool two_kernel = false;  // reference design: dx kernel + column kernel re-reading x and dy
   int max_threads = 0;  // as FwdArgs::max_threads
   int stages = 0;  // rows (x and dy) of the row kernel's shared-memory ring, as FwdArgs::stages
-  bool interleave = false;  // the row kernel's row order, as FwdArgs::interleave
   int threads = 0, chunks = 0;  // the row kernel's block: threads, 16-byte chunks a thread (backward_plan)
 };
 

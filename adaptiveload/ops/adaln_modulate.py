@@ -333,21 +333,18 @@ def _ring_stages(name: str) -> int:
     raise ValueError(f"{name}={value!r}: expected 'auto', 0 or 2..8")
 
 
-def _interleave(name: str, default: str) -> bool:
-    """``ADAPTIVELOAD_FWD_ROW_ORDER`` / ``ADAPTIVELOAD_BWD_ROW_ORDER``: which rows a block of the
-    forward / the backward's row kernel takes ("interleave": rows t, t + tiles, t + 2 tiles, ... of
-    its sample, so the blocks of the wave read neighbouring rows at any time; "tile": a tile of
-    consecutive rows; unset: `default`, "interleave" for the forward and "tile" for the backward).
-    A tuning knob for benchmarks: y, mean, rstd and dx are bit for bit the same either way; the
-    backward's column sums (dweight, dbias, per-sample dscale and dshift) add the same rows in
-    another order (deterministic for each setting).
+def _fwd_interleave() -> bool:
+    """``ADAPTIVELOAD_FWD_ROW_ORDER``: which rows a forward block takes ("interleave", the default:
+    rows t, t + tiles, t + 2 tiles, ... of its sample, so the blocks of the wave read neighbouring
+    rows at any time; "tile": a tile of consecutive rows). A tuning knob for benchmarks; the result
+    is bit for bit the same.
 
     Raises:
         ValueError: a value other than "tile" or "interleave".
     """
-    value = os.environ.get(name, default).strip().lower()
+    value = os.environ.get("ADAPTIVELOAD_FWD_ROW_ORDER", "interleave").strip().lower()
     if value not in ("tile", "interleave"):
-        raise ValueError(f"{name}={value!r}: expected 'tile' or 'interleave'")
+        raise ValueError(f"ADAPTIVELOAD_FWD_ROW_ORDER={value!r}: expected 'tile' or 'interleave'")
     return value == "interleave"
 
 
@@ -372,7 +369,7 @@ def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
     if ops is None:
         return reference.forward(x, weight, bias, scale, shift, eps, out_dtype)
     return ops.forward(x, weight, bias, scale, shift, float(eps), out_dtype, _max_threads(),
-                       _ring_stages("ADAPTIVELOAD_FWD_STAGES"), _interleave("ADAPTIVELOAD_FWD_ROW_ORDER", "interleave"))
+                       _ring_stages("ADAPTIVELOAD_FWD_STAGES"), _fwd_interleave())
 
 
 def _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd):
@@ -382,7 +379,7 @@ def _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd)
         grads = reference.backward(dy, x, weight, bias, scale, shift, mean, rstd)
         return tuple(_or_empty(g, x) for g in grads)
     return ops.backward(dy, x, weight, bias, scale, shift, mean, rstd, _two_kernel_backward(), _max_threads(),
-                        _ring_stages("ADAPTIVELOAD_BWD_STAGES"), _interleave("ADAPTIVELOAD_BWD_ROW_ORDER", "tile"))
+                        _ring_stages("ADAPTIVELOAD_BWD_STAGES"))
 
 
 _lib.impl("adaln_modulate", _adaln_modulate_cuda, "CUDA")

@@ -326,21 +326,19 @@ def test_ring_stage_setting(monkeypatch, name):
             _ring_stages(name)
 
 
-@pytest.mark.parametrize("name,default", [("ADAPTIVELOAD_FWD_ROW_ORDER", True), ("ADAPTIVELOAD_BWD_ROW_ORDER", False)])
-def test_row_order_setting(monkeypatch, name, default):
-    """Unset: interleaved forward rows, tiles in the backward; "interleave" / "tile" in any case and
-    spacing; anything else names the variable."""
-    from adaptiveload.ops.adaln_modulate import _interleave
+def test_fwd_row_order_setting(monkeypatch):
+    """Unset or "interleave": interleaved rows; "tile": consecutive rows; anything else names the variable."""
+    from adaptiveload.ops.adaln_modulate import _fwd_interleave
 
-    monkeypatch.delenv(name, raising=False)
-    assert _interleave(name, "interleave" if default else "tile") is default
+    monkeypatch.delenv("ADAPTIVELOAD_FWD_ROW_ORDER", raising=False)
+    assert _fwd_interleave() is True
     for value, expected in [("tile", False), (" Tile", False), ("interleave", True), ("INTERLEAVE ", True)]:
-        monkeypatch.setenv(name, value)
-        assert _interleave(name, "tile") is expected, value
+        monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", value)
+        assert _fwd_interleave() is expected, value
     for bad in ("auto", "strided", "1", ""):
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(ValueError, match=name):
-            _interleave(name, "tile")
+        monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", bad)
+        with pytest.raises(ValueError, match="ADAPTIVELOAD_FWD_ROW_ORDER"):
+            _fwd_interleave()
 
 
 def test_max_threads_setting(monkeypatch):
@@ -579,20 +577,6 @@ def test_backward_ring_matches_the_register_backward(kernels, monkeypatch, stage
             assert torch.equal(g, g2), f"{name}: two ring runs differ at {where}"
             torch.testing.assert_close(g.float(), r.float(), rtol=1e-4, atol=1e-4 * float(r.float().abs().max()) + 1e-6,
                                        msg=f"{name} at {where}")
-        # interleaved rows (t, t + tiles, ...), ring and register kernel: the same dx, the column sums
-        # over the same rows in another order, the same bits on a second run
-        monkeypatch.setenv("ADAPTIVELOAD_BWD_ROW_ORDER", "interleave")
-        for setting in ("0", stages):
-            monkeypatch.setenv("ADAPTIVELOAD_BWD_STAGES", setting)
-            inter, inter2 = (torch.ops.adaptiveload.adaln_modulate_backward(dy, x, w, b, scale, shift, mean, rstd)
-                             for _ in range(2))
-            assert torch.equal(ref[0], inter[0]), f"dx differs at {where}, interleaved, stages {setting}"
-            for name, r, g, g2 in zip(("dweight", "dbias", "dscale", "dshift"), ref[1:], inter[1:], inter2[1:]):
-                assert torch.equal(g, g2), f"{name}: two interleaved runs differ at {where}, stages {setting}"
-                torch.testing.assert_close(g.float(), r.float(), rtol=1e-4,
-                                           atol=1e-4 * float(r.float().abs().max()) + 1e-6,
-                                           msg=f"{name} at {where}, interleaved, stages {setting}")
-        monkeypatch.delenv("ADAPTIVELOAD_BWD_ROW_ORDER")
     monkeypatch.delenv("ADAPTIVELOAD_MAX_THREADS")
     check_against_float64((1, 3000, 1536), torch.bfloat16, "per-sample", "per-sample", True, "cuda", 9)
     check_against_float64((1, 200, 6144), torch.float32, "per-sample", "per-sample", True, "cuda", 10)  # 4 chunks
