@@ -18,6 +18,9 @@
 #              alternated three times), a clone of x of the same size, per-token forward and backward rows
 #   wide       forward and backward at wide rows (fp32 x D = 3072 / 5120 / 8192, bf16 D = 8192 / 12288 /
 #              16384; x of 512 MiB; default settings)
+#   ab         kernel_stages.py ab for AB_BASE (a folder with another version's adaptiveload/ and csrc/,
+#              built into its own cache beside this one's) and for this checkout, in turn three times
+#              -> $OUT/ab.log
 #   host       host time of one forward+backward call per implementation (bench_adaln.host_time_us;
 #              compiles Inductor and the backend first, ~1-2 min; 240 s limit)
 #   ncu        Nsight Compute on GPU 0: speed-of-light, occupancy, launch, warp-state, memory,
@@ -41,6 +44,11 @@ if [[ -d .whl ]]; then
     && export PYTHONPATH=/tmp/site
 fi
 t0=$(date +%s)
+if want ab; then  # the base version's build, alongside this one's
+  (cd "$AB_BASE" && ADAPTIVELOAD_CACHE=/tmp/adaptiveload-cache-base PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+    python3 -m adaptiveload build >"$OUT/build_base.log" 2>&1; echo "base build: exit $?" >>"$OUT/build_base.log") &
+  base_build=$!
+fi
 adaptiveload build --verbose >"$OUT/build.log" 2>&1
 rc=$?
 echo "build: exit $rc in $(( $(date +%s) - t0 )) s; cache $(tail -1 "$OUT/build.log")"
@@ -80,6 +88,22 @@ fi
 if want wide; then
   python3 benchmarks/kernel_stages.py wide >"$OUT/wide.log" 2>&1
   echo "wide: exit $?"; cat "$OUT/wide.log"
+fi
+if want ab; then
+  wait "$base_build"; tail -2 "$OUT/build_base.log"
+  base=$(cd "$AB_BASE" && pwd)
+  for round in 1 2 3; do
+    for v in base this; do
+      echo "== round $round: $v" >>"$OUT/ab.log"
+      if [[ $v == base ]]; then
+        ADAPTIVELOAD_CACHE=/tmp/adaptiveload-cache-base PYTHONPATH="$base${PYTHONPATH:+:$PYTHONPATH}" \
+          python3 benchmarks/kernel_stages.py ab >>"$OUT/ab.log" 2>&1
+      else
+        python3 benchmarks/kernel_stages.py ab >>"$OUT/ab.log" 2>&1
+      fi
+    done
+  done
+  echo "ab: done"; cat "$OUT/ab.log"
 fi
 if want host; then
   timeout 240 python3 benchmarks/kernel_stages.py host >"$OUT/host.log" 2>&1

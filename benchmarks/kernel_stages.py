@@ -4,15 +4,19 @@
   sweep  forward, one-pass and two-kernel backward at thread caps 256 / 512 (ADAPTIVELOAD_MAX_THREADS)
   ring   forward and backward by ring slots (ADAPTIVELOAD_FWD_STAGES / _BWD_STAGES = 0, auto, 2, 3, 4, 8)
          at N = 65536, B = 1 / 2, D = 1536 / 3072 / 5120, bf16 x, fp32 per-sample modulation; forward by
-         row order (ADAPTIVELOAD_FWD_ROW_ORDER = tile / interleave, three times in turn); by thread
-         cap (512, 256, 128, 64) at D = 1536 / 3072; per-token forward (bf16 rows of a [B, N, 2D] chunk)
+         row order and the backward's (ADAPTIVELOAD_FWD_ROW_ORDER / _BWD_ROW_ORDER = tile / interleave,
+         three times in turn); by thread cap (512, 256, 128, 64) at D = 1536 / 3072; per-token forward
+         (bf16 rows of a [B, N, 2D] chunk)
   wide   forward and backward at wide rows (fp32 x D = 3072 / 5120 / 8192, bf16 D = 8192 / 12288 / 16384;
          x of 512 MiB) with default settings
   host   host time of one forward+backward call per implementation (bench_adaln.host_time_us)
+  ab     forward and backward at N = 65536, B = 1 / 2, D = 1536 / 3072 / 5120, bf16 x, fp32 per-sample
+         modulation, default settings, one line a shape: run once for each of two builds, in turn
+         (gpu_session.sh ab), to compare kernel versions
 
 Times are triton.testing.do_bench medians (ms) and fractions of speed-of-light: bytes that must move
 (per-sample forward 2, backward 3 x-sized tensors; per-token 4 and 6) / measured copy bandwidth.
-Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,host}
+Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,ab,host}
 """
 from __future__ import annotations
 
@@ -97,6 +101,8 @@ def stage_ring(tt, op, bwd, bw):
             by_setting(tt, f"B={B} D={D} bwd stages", back, sol_b, "ADAPTIVELOAD_BWD_STAGES", stages)
             by_setting(tt, f"B={B} D={D} fwd row order, alternated", fwd, sol_f, "ADAPTIVELOAD_FWD_ROW_ORDER",
                        ("tile", "interleave") * 3)
+            by_setting(tt, f"B={B} D={D} bwd row order, alternated", back, sol_b, "ADAPTIVELOAD_BWD_ROW_ORDER",
+                       ("tile", "interleave") * 3)
             if D < 5120:  # fewer threads a row, more chunks a thread (the ring at auto)
                 caps = ("512", "256", "128", "64")
                 by_setting(tt, f"B={B} D={D} fwd max_threads", fwd, sol_f, "ADAPTIVELOAD_MAX_THREADS", caps)
@@ -125,7 +131,23 @@ def stage_wide(tt, op, bwd, bw):
               f"bwd {b:.3f} ms ({100 * sol_b / b:.0f}%)", flush=True)
 
 
-STAGES = {"sweep": stage_sweep, "ring": stage_ring, "wide": stage_wide}
+def stage_ab(tt, op, bwd, bw):
+    import adaptiveload
+
+    print(f"package: {os.path.dirname(adaptiveload.__file__)}", flush=True)
+    for B in (1, 2):
+        for D in (1536, 3072, 5120):
+            x, s, h = per_sample(B, 65536, D, torch.bfloat16)
+            dy = torch.randn_like(x)
+            y, mean, rstd = op(x, None, None, s, h, EPS, torch.bfloat16)
+            f = median_ms(tt, lambda: op(x, None, None, s, h, EPS, torch.bfloat16))
+            b = median_ms(tt, lambda: bwd(dy, x, None, None, s, h, mean, rstd))
+            sol_f, sol_b = sol_ms(x, 2, bw), sol_ms(x, 3, bw)
+            print(f"B={B} D={D}: fwd {f:.3f} ms ({100 * sol_f / f:.0f}% SoL), bwd {b:.3f} ms ({100 * sol_b / b:.0f}%)",
+                  flush=True)
+
+
+STAGES = {"sweep": stage_sweep, "ring": stage_ring, "wide": stage_wide, "ab": stage_ab}
 
 
 def main(argv=None) -> int:
