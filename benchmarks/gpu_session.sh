@@ -21,6 +21,8 @@
 #   ab         kernel_stages.py ab for AB_BASE (a folder with another version's adaptiveload/ and csrc/,
 #              built into its own cache beside this one's) and for this checkout, in turn three times
 #              -> $OUT/ab.log
+#   tests0     the fixed-shape tests on GPU 0 after its other stages, with TESTS0_ENV (VAR=value ...)
+#              -> $OUT/tests0.log
 #   host       host time of one forward+backward call per implementation (bench_adaln.host_time_us;
 #              compiles Inductor and the backend first, ~1-2 min; 240 s limit)
 #   ncu        Nsight Compute on GPU 0: speed-of-light, occupancy, launch, warp-state, memory,
@@ -128,6 +130,11 @@ PY
     --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats --section SourceCounters \
     python3 /tmp/ncu_cases.py >"$OUT/ncu.txt" 2>&1
   echo "ncu: exit $?"; grep -E "fwd_kernel|bwd_row_kernel|bwd_reduce_kernel|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Size|Grid Size|Duration" "$OUT/ncu.txt" | head -90
+fi
+if want tests0; then  # the fixed-shape tests again, on GPU 0, with TESTS0_ENV (e.g. a kernel knob off)
+  env ${TESTS0_ENV:-} timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/ops -m cuda -q -p no:cacheprovider \
+    -W ignore::DeprecationWarning -k "not kernels_match_float64_reference" >"$OUT/tests0.log" 2>&1
+  echo "tests0 (${TESTS0_ENV:-}): exit $?" | tee -a "$OUT/tests0.log"; tail -3 "$OUT/tests0.log"
 fi
 if [[ -n "${BENCH_AFTER_TESTS:-}" && -n "${side:-}" ]] && { want bench-quick || want bench; }; then
   wait "$side"; side=  # host-bound wall times: no test process competing for the host
