@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   const float inv_d = 1.f / static_cast<float>(D);
   Raw<Tx, VEC> nx[C];  // register path: the next row, loaded while this one is reduced
   // (from a pointer stepped by the row order's stride: recomputing x_row(row(k + 1)) each row cost
-  // 14 registers at 1 chunk, 7 -> 5 blocks an SM at D = 1536)
+  // 14 registers at 1 chunk, 7 -> 5 blocks an SM at D = 1536; never stepped past the sample's rows)
   const Tx* x_next = x_row(first);
   const int64_t x_step = step * static_cast<int64_t>(D);
   if constexpr (!RING) load_chunks(x_next, D, T, tid, al, nx);
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
     } else {
 #pragma unroll
       for (int c = 0; c < C; ++c) rx[c] = nx[c];
-      x_next += x_step;
+      x_next = k + 1 < count ? x_next + x_step : x_next;
       if (k + 1 < count) load_chunks(x_next, D, T, tid, al, nx);
     }
     float xv[C][VEC];
