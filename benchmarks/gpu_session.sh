@@ -18,9 +18,9 @@
 #              alternated three times), a clone of x of the same size, per-token forward and backward rows
 #   wide       forward and backward at wide rows (fp32 x D = 3072 / 5120 / 8192, bf16 D = 8192 / 12288 /
 #              16384; x of 512 MiB; default settings)
-#   ab         kernel_stages.py ab for AB_BASE (a folder with another version's adaptiveload/ and csrc/,
-#              built into its own cache beside this one's) and for this checkout, in turn three times
-#              -> $OUT/ab.log
+#   ab         kernel_stages.py ${AB_STAGE:-ab} (ab: kernel timings; host: host time a call) for AB_BASE
+#              (a folder with another version's adaptiveload/ and csrc/, built into its own cache beside
+#              this one's) and for this checkout, in turn three times -> $OUT/ab.log
 #   tests0     the fixed-shape tests on GPU 0 after its other stages, with TESTS0_ENV (VAR=value ...)
 #              -> $OUT/tests0.log
 #   host       host time of one forward+backward call per implementation (bench_adaln.host_time_us;
@@ -99,9 +99,9 @@ if want ab; then
       echo "== round $round: $v" >>"$OUT/ab.log"
       if [[ $v == base ]]; then
         ADAPTIVELOAD_CACHE=/tmp/adaptiveload-cache-base PYTHONPATH="$base${PYTHONPATH:+:$PYTHONPATH}" \
-          python3 benchmarks/kernel_stages.py ab >>"$OUT/ab.log" 2>&1
+          python3 benchmarks/kernel_stages.py "${AB_STAGE:-ab}" >>"$OUT/ab.log" 2>&1
       else
-        python3 benchmarks/kernel_stages.py ab >>"$OUT/ab.log" 2>&1
+        python3 benchmarks/kernel_stages.py "${AB_STAGE:-ab}" >>"$OUT/ab.log" 2>&1
       fi
     done
   done
