@@ -38,6 +38,14 @@ def _describe(name: str, t: Tensor) -> str:
     return f"{name} (shape {list(t.shape)}, dtype {t.dtype})"
 
 
+def _check_devices(op: str, x: Tensor, named: dict) -> None:
+    """Every tensor of ``named`` (None skipped) on x's device, else ``ValueError`` naming it."""
+    for name, t in named.items():
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{op}: {_describe(name, t)} is on {t.device} but x is on {x.device}; "
+                             "every input must be on x's device")
+
+
 def modulation_layout(mod_shape, x_shape) -> str:
     """Classify how a modulation tensor of ``mod_shape`` broadcasts over ``x_shape`` ([B, ..., D]).
 
@@ -77,8 +85,14 @@ def check_inputs(
     scale: Tensor,
     shift: Optional[Tensor],
     out_dtype: torch.dtype,
+    eps: Optional[float] = None,
 ) -> None:
-    """Validate the op's inputs; raise ``ValueError`` naming the offending tensor and its shape."""
+    """Validate the op's inputs; raise ``ValueError`` naming the offending tensor and its shape (or
+    device), or the bad ``eps`` / ``out_dtype``."""
+    if scale is None:
+        raise ValueError("adaln_modulate: scale is required ([B, 1, D], [B, N, D] or [D]; zeros for a shift only)")
+    if eps is not None and not eps >= 0:  # also NaN
+        raise ValueError(f"adaln_modulate: eps must be a non-negative number, got {eps}")
     if x.dim() < 2:
         raise ValueError(f"adaln_modulate: {_describe('x', x)} must have at least 2 dims [B, ..., D]")
     if out_dtype not in _FLOATING:
@@ -88,6 +102,7 @@ def check_inputs(
     for name, t in named.items():
         if t is not None and t.dtype not in _FLOATING:
             raise ValueError(f"adaln_modulate: {_describe(name, t)} must be floating point")
+    _check_devices("adaln_modulate", x, named)
     for name in ("weight", "bias"):
         t = named[name]
         if t is not None and list(t.shape) != [D]:
@@ -115,6 +130,7 @@ def check_backward_inputs(
     """Validate :func:`adaln_modulate_backward`'s inputs (those of the forward, dy of x's shape and
     one mean/rstd per row); raise ``ValueError`` naming the offending tensor and its shape."""
     check_inputs(x, weight, bias, scale, shift, x.dtype)
+    _check_devices("adaln_modulate_backward", x, {"dy": dy, "mean": mean, "rstd": rstd})
     if dy.shape != x.shape or dy.dtype not in _FLOATING:
         raise ValueError(f"adaln_modulate_backward: {_describe('dy', dy)} must be floating point of x's shape "
                          f"{list(x.shape)}")
@@ -124,19 +140,19 @@ def check_backward_inputs(
                              f"{list(x.shape[:-1])} (one per row of x)")
 
 
-_VALIDATED: set = set()  # signatures (check, shapes, dtypes) that passed their check
+_VALIDATED: set = set()  # signatures (check, others, shapes, dtypes, devices) that passed their check
 _MAX_VALIDATED = 4096
 
 
 def _validate(check: Callable[..., None], tensors: tuple[Optional[Tensor], ...], *others) -> None:
-    """``check(*tensors, *others)``, skipped when a call with the same shapes, dtypes and ``others``
-    passed it before (the checks read nothing else of the tensors). Eager kernels only: a shape of
+    """``check(*tensors, *others)``, skipped when a call with the same shapes, dtypes, devices and
+    ``others`` passed it before (the checks read nothing else of the tensors). Eager kernels only: a shape of
     symbolic sizes (fake tensors) is not hashable. Remembers at most ``_MAX_VALIDATED`` signatures.
 
     Raises:
         ValueError: from ``check`` (never remembered, so a bad call raises every time).
     """
-    key = (check, others, *[None if t is None else (t.shape, t.dtype) for t in tensors])
+    key = (check, others, *[None if t is None else (t.shape, t.dtype, t.device) for t in tensors])
     if key not in _VALIDATED:
         check(*tensors, *others)
         if len(_VALIDATED) >= _MAX_VALIDATED:
@@ -181,13 +197,13 @@ def _adaln_modulate_reference(x, weight, bias, scale, shift, eps, out_dtype):
     Raises:
         ValueError: shapes or dtypes that do not fit (the message names the tensor and its shape).
     """
-    _validate(check_inputs, (x, weight, bias, scale, shift), out_dtype)
+    _validate(check_inputs, (x, weight, bias, scale, shift), out_dtype, eps)
     return reference.forward(x, weight, bias, scale, shift, eps, out_dtype)
 
 
 @torch.library.register_fake("adaptiveload::adaln_modulate", lib=_lib)
 def _adaln_modulate_fake(x, weight, bias, scale, shift, eps, out_dtype):
-    check_inputs(x, weight, bias, scale, shift, out_dtype)
+    check_inputs(x, weight, bias, scale, shift, out_dtype, eps)
     stat_dtype = reference.compute_dtype(x, weight, bias, scale, shift)
     y = x.new_empty(x.shape, dtype=out_dtype)
     return y, x.new_empty(x.shape[:-1], dtype=stat_dtype), x.new_empty(x.shape[:-1], dtype=stat_dtype)
@@ -354,17 +370,22 @@ def _two_kernel_backward() -> bool:
     return os.environ.get("ADAPTIVELOAD_BWD", "") == "two_kernel"
 
 
-def _kernel_module(x: Tensor, *others: Optional[Tensor]):
-    """The kernel module when the kernels apply to these inputs, else None (reference path)."""
+def _kernel_module(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], scale: Tensor,
+                   shift: Optional[Tensor], *others: Optional[Tensor]):
+    """The kernel module when the kernels apply to these inputs, else None (reference path): float64
+    anywhere (the reference computes in float64), empty x, rows wider than the kernels take, and
+    modulation in neither x's dtype nor float32 (e.g. bf16 modulation of float32 x under autocast)."""
     if x.numel() == 0 or x.shape[-1] > _MAX_FEATURES:
         return None
-    if any(t is not None and t.dtype not in _KERNEL_DTYPES for t in (x, *others)):
-        return None  # float64: the reference computes in float64
+    if any(t is not None and t.dtype not in _KERNEL_DTYPES for t in (x, weight, bias, scale, shift, *others)):
+        return None
+    if any(m is not None and m.dtype not in (x.dtype, torch.float32) for m in (scale, shift)):
+        return None
     return extension.kernels()
 
 
 def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
-    _validate(check_inputs, (x, weight, bias, scale, shift), out_dtype)
+    _validate(check_inputs, (x, weight, bias, scale, shift), out_dtype, eps)
     ops = _kernel_module(x, weight, bias, scale, shift)
     if ops is None:
         return reference.forward(x, weight, bias, scale, shift, eps, out_dtype)

@@ -253,15 +253,18 @@ def make_plan(manifest: Manifest, calibration: Calibration, world_size: int, *, 
         raise ValueError(f"Invalid policy {policy!r}, policy should be one of {POLICIES}")
     keys, _, counts = group_buckets(manifest.bucket_keys)
     seq = bucket_tokens(keys, manifest.patch_size)
-    limit, _ = memory_limit(calibration, int(seq.max()), memory_budget_bytes=memory_budget_bytes, m_mem=m_mem, safety=safety)
+    limit, source = memory_limit(calibration, int(seq.max()), memory_budget_bytes=memory_budget_bytes, m_mem=m_mem,
+                                 safety=safety)
     over = seq > limit
     dropped = [{"key": keys[k].tolist(), "seq_len": int(seq[k]), "num_samples": int(counts[k])} for k in np.flatnonzero(over)]
     if over.all():
-        raise ValueError(f"every bucket has S over the memory limit of {limit:,} tokens (shortest S = {int(seq.min()):,})")
+        raise ValueError(f"every bucket has S over the memory limit of {limit:,} tokens ({source}; shortest "
+                         f"S = {int(seq.min()):,}): give a memory budget (--memory-budget-gb) or m_mem (--m-mem)")
     if dropped and not drop_oversized:
         names = "; ".join(f"latent {tuple(r['key'])} S={r['seq_len']:,} ({r['num_samples']} samples)" for r in dropped)
-        raise ValueError(f"bucket(s) longer than the memory limit of {limit:,} tokens per batch: {names}; "
-                         f"raise the memory budget, use activation checkpointing, or drop them (--drop-oversized)")
+        raise ValueError(f"bucket(s) longer than the memory limit of {limit:,} tokens per batch ({source}): {names}; "
+                         f"raise the memory budget (--memory-budget-gb, --m-mem), use activation checkpointing, "
+                         f"or drop them (--drop-oversized)")
     kseq = seq[~over]
     cost = calibration.cost_model
 

@@ -300,6 +300,44 @@ def test_validation_is_remembered_only_for_valid_signatures():
             torch.ops.adaptiveload.adaln_modulate_backward(y, x, None, None, scale, None, mean, rstd[..., None])
 
 
+def test_inputs_on_another_device_raise_even_after_a_valid_call():
+    """A tensor on another device than x (here the meta device, which would otherwise route the call
+    to the shape-only fake kernel and return uninitialised memory) raises, naming it; the remembered
+    validation of the same shapes and dtypes on x's device does not let it through."""
+    x, scale = torch.randn(2, 5, 8), torch.randn(2, 1, 8)
+    y, mean, rstd = torch.ops.adaptiveload.adaln_modulate(x, None, None, scale, None, EPS, torch.float32)
+    torch.ops.adaptiveload.adaln_modulate_backward(y, x, None, None, scale, None, mean, rstd)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"scale \(shape \[2, 1, 8\], dtype torch.float32\) is on meta but x is on cpu"):
+            torch.ops.adaptiveload.adaln_modulate(x, None, None, scale.to("meta"), None, EPS, torch.float32)
+        with pytest.raises(ValueError, match=r"shift .* is on meta"):
+            torch.ops.adaptiveload.adaln_modulate(x, None, None, scale, scale.to("meta"), EPS, torch.float32)
+        with pytest.raises(ValueError, match=r"rstd .* is on meta"):
+            torch.ops.adaptiveload.adaln_modulate_backward(y, x, None, None, scale, None, mean, rstd.to("meta"))
+
+
+def test_missing_scale_and_bad_eps_raise():
+    x, scale = torch.randn(2, 5, 8), torch.randn(2, 1, 8)
+    with pytest.raises(ValueError, match="scale is required"):
+        torch.ops.adaptiveload.adaln_modulate(x, None, None, None, None, EPS, torch.float32)
+    for eps in (-1e-6, float("nan")):
+        with pytest.raises(ValueError, match="eps must be a non-negative number"):
+            torch.ops.adaptiveload.adaln_modulate(x, None, None, scale, None, eps, torch.float32)
+    y = torch.ops.adaptiveload.adaln_modulate(x, None, None, scale, None, 0.0, torch.float32)[0]
+    assert torch.isfinite(y).all()
+
+
+def test_kernels_take_modulation_in_x_dtype_or_float32_only():
+    """The CUDA path's routing: modulation in another dtype than x's or float32 (bf16 scale of float32
+    x, as autocast gives) goes to the reference, as float64 does; decided before any build."""
+    from adaptiveload.ops.adaln_modulate import _kernel_module
+
+    x32, s16 = torch.randn(2, 5, 8), torch.randn(2, 1, 8, dtype=torch.bfloat16)
+    assert _kernel_module(x32, None, None, s16, None) is None
+    assert _kernel_module(x32, None, None, s16.float(), s16) is None
+    assert _kernel_module(x32.double(), None, None, s16.float(), None) is None
+
+
 def test_double_backward_raises():
     """First derivatives only: backward through the gradients raises instead of returning wrong ones."""
     x = torch.randn(2, 5, 8, requires_grad=True)
@@ -439,6 +477,17 @@ def test_kernels_long_sequences(kernels, monkeypatch, B, N, D, two_kernel):
         monkeypatch.setenv("ADAPTIVELOAD_BWD", "two_kernel")
     check_against_float64((B, N, D), torch.bfloat16, "strided-per-sample", "per-sample", True, "cuda", 7,
                           mod_fp32=True)
+
+
+@pytest.mark.cuda
+def test_float32_x_with_16_bit_modulation_on_cuda(kernels):
+    """float32 x with bf16 / fp16 modulation (autocast's mix): the reference path on CUDA, against float64."""
+    for seed, mdt in enumerate((torch.bfloat16, torch.float16)):
+        x = torch.randn(2, 33, 64, device="cuda", dtype=torch.float64)
+        s, h = (0.5 * torch.randn(2, 2, 64, device="cuda", dtype=torch.float64)).unsqueeze(2).unbind(1)
+        y = torch.ops.adaptiveload.adaln_modulate(x.float(), None, None, s.to(mdt), h.to(mdt), EPS, torch.float32)[0]
+        ref = eager_chain(x, None, None, s.to(mdt).double(), h.to(mdt).double())
+        assert_rel(y, ref, TOL[torch.float32], f"y with {mdt} modulation")
 
 
 @pytest.mark.cuda
