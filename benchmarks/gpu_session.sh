@@ -47,8 +47,11 @@ if [[ -d .whl ]]; then
 fi
 t0=$(date +%s)
 if want ab; then  # the base version's build, alongside this one's
-  (cd "$AB_BASE" && ADAPTIVELOAD_CACHE=/tmp/adaptiveload-cache-base PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
-    python3 -m adaptiveload build >"$OUT/build_base.log" 2>&1; echo "base build: exit $?" >>"$OUT/build_base.log") &
+  base=$(cd "$AB_BASE" && pwd)
+  in_base() { ADAPTIVELOAD_CACHE=/tmp/adaptiveload-cache-base PYTHONPATH="$base${PYTHONPATH:+:$PYTHONPATH}" "$@"; }
+  # (from the base folder: `python -m` puts the working directory ahead of PYTHONPATH)
+  (cd "$base" && in_base python3 -m adaptiveload build >"$OUT/build_base.log" 2>&1
+   echo "base build: exit $?" >>"$OUT/build_base.log") &
   base_build=$!
 fi
 adaptiveload build --verbose >"$OUT/build.log" 2>&1
@@ -93,16 +96,12 @@ if want wide; then
 fi
 if want ab; then
   wait "$base_build"; tail -2 "$OUT/build_base.log"
-  base=$(cd "$AB_BASE" && pwd)
   for round in 1 2 3; do
     for v in base this; do
+      runner=env  # this checkout, as installed
+      [[ $v == base ]] && runner=in_base
       echo "== round $round: $v" >>"$OUT/ab.log"
-      if [[ $v == base ]]; then
-        ADAPTIVELOAD_CACHE=/tmp/adaptiveload-cache-base PYTHONPATH="$base${PYTHONPATH:+:$PYTHONPATH}" \
-          python3 benchmarks/kernel_stages.py "${AB_STAGE:-ab}" >>"$OUT/ab.log" 2>&1
-      else
-        python3 benchmarks/kernel_stages.py "${AB_STAGE:-ab}" >>"$OUT/ab.log" 2>&1
-      fi
+      "$runner" python3 benchmarks/kernel_stages.py "${AB_STAGE:-ab}" >>"$OUT/ab.log" 2>&1
     done
   done
   echo "ab: done"; cat "$OUT/ab.log"

@@ -14,7 +14,7 @@ whose per-call machinery (argument re-packing, a dataclass, an output-aliasing c
 redispatches) made a forward+backward cost the host about 1.7x the time of these registrations
 (no-op kernels, CPU). The kernels return fresh tensors, never inputs or views of them (the tests
 check it, and opcheck). The eager kernels validate their inputs once per distinct signature of
-shapes and dtypes, the fake kernels on every trace.
+shapes, dtypes, devices and scalar arguments, the fake kernels on every trace.
 """
 from __future__ import annotations
 
@@ -146,8 +146,9 @@ _MAX_VALIDATED = 4096
 
 def _validate(check: Callable[..., None], tensors: tuple[Optional[Tensor], ...], *others) -> None:
     """``check(*tensors, *others)``, skipped when a call with the same shapes, dtypes, devices and
-    ``others`` passed it before (the checks read nothing else of the tensors). Eager kernels only: a shape of
-    symbolic sizes (fake tensors) is not hashable. Remembers at most ``_MAX_VALIDATED`` signatures.
+    ``others`` passed it before (the checks read nothing else of the tensors). Eager kernels only: a
+    shape of symbolic sizes (fake tensors) is not hashable. Remembers at most ``_MAX_VALIDATED``
+    signatures.
 
     Raises:
         ValueError: from ``check`` (never remembered, so a bad call raises every time).
@@ -377,10 +378,10 @@ def _kernel_module(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
     modulation in neither x's dtype nor float32 (e.g. bf16 modulation of float32 x under autocast)."""
     if x.numel() == 0 or x.shape[-1] > _MAX_FEATURES:
         return None
-    if any(t is not None and t.dtype not in _KERNEL_DTYPES for t in (x, weight, bias, scale, shift, *others)):
+    if any(t is not None and t.dtype not in _KERNEL_DTYPES for t in (x, weight, bias, *others)):
         return None
     if any(m is not None and m.dtype not in (x.dtype, torch.float32) for m in (scale, shift)):
-        return None
+        return None  # (with x of a kernel dtype this also keeps float64 modulation out)
     return extension.kernels()
 
 

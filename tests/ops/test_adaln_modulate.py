@@ -482,7 +482,7 @@ def test_kernels_long_sequences(kernels, monkeypatch, B, N, D, two_kernel):
 @pytest.mark.cuda
 def test_float32_x_with_16_bit_modulation_on_cuda(kernels):
     """float32 x with bf16 / fp16 modulation (autocast's mix): the reference path on CUDA, against float64."""
-    for seed, mdt in enumerate((torch.bfloat16, torch.float16)):
+    for mdt in (torch.bfloat16, torch.float16):
         x = torch.randn(2, 33, 64, device="cuda", dtype=torch.float64)
         s, h = (0.5 * torch.randn(2, 2, 64, device="cuda", dtype=torch.float64)).unsqueeze(2).unbind(1)
         y = torch.ops.adaptiveload.adaln_modulate(x.float(), None, None, s.to(mdt), h.to(mdt), EPS, torch.float32)[0]
