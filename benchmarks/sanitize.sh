@@ -30,6 +30,7 @@ cases = [  # (B, N, D, x dtype, modulation dtype, layout, affine)
     (1, 3, 12288, torch.bfloat16, torch.float32, "per-sample", True),
     (1, 10001, 1536, torch.bfloat16, torch.float32, "strided", True),
     (1, 6000, 1000, torch.float16, torch.float16, "per-sample", True),
+    (1, 20000, 1536, torch.bfloat16, torch.bfloat16, "per-sample", True),
 ]
 for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
     design = ("one_pass", "two_kernel")[i % 2]
@@ -40,9 +41,12 @@ for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
     # 2-slot ring that wraps) and case 8 (the register path, forced with stages 0: its fp16 rows of
     # D = 1000 are aligned, several a block); cases 0-6 have a row or a few per block, so there the
     # two orders nearly coincide)
-    os.environ["ADAPTIVELOAD_FWD_STAGES"] = ("auto", "auto", "2", "0", "0", "3", "auto", "2", "0")[i]
-    os.environ["ADAPTIVELOAD_BWD_STAGES"] = ("auto", "auto", "3", "0", "0", "auto", "0", "auto", "auto")[i]
-    os.environ["ADAPTIVELOAD_FWD_ROW_ORDER"] = "interleave" if i in (1, 3, 7, 8) else "tile"
+    os.environ["ADAPTIVELOAD_FWD_STAGES"] = ("auto", "auto", "2", "0", "0", "3", "auto", "2", "0", "3")[i]
+    os.environ["ADAPTIVELOAD_BWD_STAGES"] = ("auto", "auto", "3", "0", "0", "auto", "0", "auto", "auto", "auto")[i]
+    os.environ["ADAPTIVELOAD_FWD_ROW_ORDER"] = "interleave" if i in (1, 3, 7, 8, 9) else "tile"
+    # y by bulk stores from the ring slots: case 0 (a row or so a block) and case 9 (3 slots, the
+    # fewest it takes, many rows a block, interleaved); case 7 asks with 2 slots (the threads store)
+    os.environ["ADAPTIVELOAD_FWD_STORE"] = "bulk" if i in (0, 7, 9) else "threads"
     x = torch.randn(B, N, D, device="cuda", generator=g).to(xdt)
     if layout == "strided":
         scale, shift = (t.unsqueeze(1) for t in torch.randn(B, 3 * D, device="cuda", generator=g).to(mdt).chunk(3, -1)[:2])

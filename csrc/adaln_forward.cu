@@ -75,6 +75,15 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   };
   RingCursor cur{full, S};
   if constexpr (RING) cur.start(0, count, fetch);
+  // Bulk store of y (FwdArgs::bulk_store): the k-th row's y is written into its own slot, over x,
+  // each thread at the columns it read, then fenced for the async proxy by each writer; after the
+  // next row's first barrier thread 0 has the copy engine store it, and refills the slot of the row
+  // before (whose store has then left shared memory), so rows are fetched S - 2 ahead. Needs y of
+  // x's element size (the slot holds a row of x) and S >= 3.
+  constexpr bool kBulkY = RING && !PT && sizeof(To) == sizeof(Tx);
+  const bool bulk_y = kBulkY && a.bulk_store && S >= 3;
+  auto y_row = [&](int64_t k) { return y + (b * a.N + row(k)) * static_cast<int64_t>(D); };
+  auto slot_back = [&](int back) { return cur.slot - back < 0 ? cur.slot - back + S : cur.slot - back; };
 #pragma unroll
   for (int c = 0; c < C; ++c) {  // (with the ring: while the first rows land)
     const int col = (c * T + tid) * VEC;
@@ -107,9 +116,10 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   for (int64_t k = 0; k < count; ++k) {
     const int64_t n = row(k);
     Raw<Tx, VEC> rx[C];
+    char* const slot_k = ring + cur.slot * stride;  // (RING) this row's slot
     if constexpr (RING) {
       cur.wait();
-      load_chunks(reinterpret_cast<const Tx*>(ring + cur.slot * stride), D, T, tid, true, rx);
+      load_chunks(reinterpret_cast<const Tx*>(slot_k), D, T, tid, true, rx);
     } else {
 #pragma unroll
       for (int c = 0; c < C; ++c) rx[c] = nx[c];
@@ -143,7 +153,23 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
 #pragma unroll
       for (int j = 0; j < VEC; ++j) sum[0] += xv[c][j];  // out-of-range elements are zero
     block_sum<1>(sum, red, parity);
-    if constexpr (RING) cur.release(k, count, fetch);  // every thread has read the slot
+    if constexpr (RING) {
+      if (bulk_y) {  // every thread has written the previous row's y into its slot (before the barrier)
+        if (tid == 0) {
+          if (k >= 1) {
+            bulk_store(y_row(k - 1), ring + slot_back(1) * stride, row_bytes);
+            bulk_commit();
+          }
+          if (k >= 2 && k - 2 + S < count) {
+            bulk_wait_read<1>();  // the (k - 2)-th row's y has left its slot
+            fetch(slot_back(2), k - 2 + S);
+          }
+        }
+        cur.advance();
+      } else {
+        cur.release(k, count, fetch);  // every thread has read the slot
+      }
+    }
     const float mean = sum[0] * inv_d;
 
     float sq[1] = {0.f};
@@ -187,11 +213,21 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
         }
         out[j] = (xv[c][j] - mean) * rstd * al_ + be_;
       }
-      store_f<To, VEC>(yrow, col, D, al, out);
+      if (kBulkY && bulk_y) store_f<To, VEC>(reinterpret_cast<To*>(slot_k), col, D, true, out);
+      else store_f<To, VEC>(yrow, col, D, al, out);
     }
+    if (bulk_y) async_proxy_fence();  // each writer: its y visible to the copy engine (after the next barrier)
     if (tid == 0) {
       a.mean[b * a.N + n] = mean;
       a.rstd[b * a.N + n] = rstd;
+    }
+  }
+  if (bulk_y) {  // the last row's y, once every thread has written it; shared memory outlives the reads
+    __syncthreads();
+    if (tid == 0) {
+      bulk_store(y_row(count - 1), ring + slot_back(1) * stride, row_bytes);
+      bulk_commit();
+      bulk_wait_read<0>();
     }
   }
 }

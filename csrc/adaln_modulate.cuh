@@ -61,6 +61,10 @@ struct FwdArgs {
   // Row order of a forward block: true = interleaved (rows t, t + tiles, ... of its sample, so the
   // blocks of the wave sweep x together; the default), false = a tile of consecutive rows.
   bool interleave = true;
+  // Ring forward, per-sample or shared modulation, y of x's element size, >= 3 slots: y is written
+  // into the row's ring slot and stored by the copy engine (bulk store) when true; else each thread
+  // stores its own 16-byte groups. Tuning knob (ADAPTIVELOAD_FWD_STORE), same bits either way.
+  bool bulk_store = false;
 };
 
 struct BwdArgs {
@@ -292,8 +296,9 @@ __device__ __forceinline__ void mbar_init(uint64_t* bars, int count) {
 #endif
 }
 
-// One thread, before refilling a buffer the block has read: orders those (generic-proxy) reads
-// before the copy engine's (async-proxy) writes.
+// Orders this thread's generic-proxy accesses of shared memory with the copy engine's (async-proxy)
+// ones: thread 0 before refilling a buffer the block has read (after the barrier that follows the
+// reads), and each writer of a buffer the copy engine will store (before the barrier).
 __device__ __forceinline__ void async_proxy_fence() {
 #ifdef ADALN_BULK
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -314,6 +319,31 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 #else
   __trap();
+#endif
+}
+
+// One thread: the copy engine writes `bytes` from shared memory to global memory (a bulk store),
+// as one more operation of this thread's current bulk group; commit_group closes the group.
+// The shared memory written by the block's threads must be made visible to the copy engine first:
+// async_proxy_fence() by each writing thread after its writes, then a block barrier.
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
+#ifdef ADALN_BULK
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(src)),
+               "r"(bytes) : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#ifdef ADALN_BULK
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
+// The issuing thread: wait until at most N of its committed bulk groups still read shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+#ifdef ADALN_BULK
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 #endif
 }
 
@@ -356,6 +386,11 @@ struct RingCursor {
   template <typename Fetch>
   __device__ __forceinline__ void release(int64_t n, int64_t n1, const Fetch& fetch) {
     if (threadIdx.x == 0 && n + S < n1) fetch(slot, n + S);
+    advance();
+  }
+  // Every thread: on to the next slot without refilling this one (the forward's bulk store of y
+  // refills a slot two rows later, once the copy engine has read y out of it).
+  __device__ __forceinline__ void advance() {
     if (++slot == S) slot = 0, phase ^= 1;
   }
 };

@@ -365,6 +365,21 @@ def _fwd_interleave() -> bool:
     return value == "interleave"
 
 
+def _fwd_bulk_store() -> bool:
+    """``ADAPTIVELOAD_FWD_STORE``: how the ring forward writes y ("threads", the default: each thread
+    its own 16-byte groups; "bulk": into the row's ring slot, then one bulk store by the copy engine;
+    per-sample or shared modulation, y of x's element size, 3 or more slots, else "threads"). A
+    tuning knob for benchmarks; y is bit for bit the same.
+
+    Raises:
+        ValueError: a value other than "threads" or "bulk".
+    """
+    value = os.environ.get("ADAPTIVELOAD_FWD_STORE", "threads").strip().lower()
+    if value not in ("threads", "bulk"):
+        raise ValueError(f"ADAPTIVELOAD_FWD_STORE={value!r}: expected 'threads' or 'bulk'")
+    return value == "bulk"
+
+
 def _two_kernel_backward() -> bool:
     """``ADAPTIVELOAD_BWD=two_kernel`` selects the reference design of the backward (a dx kernel and a
     column kernel re-reading x and dy) instead of the one-pass kernel; for benchmarks."""
@@ -391,7 +406,8 @@ def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
     if ops is None:
         return reference.forward(x, weight, bias, scale, shift, eps, out_dtype)
     return ops.forward(x, weight, bias, scale, shift, float(eps), out_dtype, _max_threads(),
-                       _ring_stages("ADAPTIVELOAD_FWD_STAGES"), _fwd_interleave())
+                       _ring_stages("ADAPTIVELOAD_FWD_STAGES"), _fwd_interleave(),
+                       _fwd_bulk_store())
 
 
 def _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd):

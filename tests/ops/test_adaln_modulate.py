@@ -379,6 +379,21 @@ def test_fwd_row_order_setting(monkeypatch):
             _fwd_interleave()
 
 
+def test_fwd_store_setting(monkeypatch):
+    """Unset or "threads": threads store y; "bulk": the copy engine; anything else names the variable."""
+    from adaptiveload.ops.adaln_modulate import _fwd_bulk_store
+
+    monkeypatch.delenv("ADAPTIVELOAD_FWD_STORE", raising=False)
+    assert _fwd_bulk_store() is False
+    for value, expected in [("threads", False), (" Bulk", True), ("bulk", True)]:
+        monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", value)
+        assert _fwd_bulk_store() is expected, value
+    for bad in ("tma", "1", ""):
+        monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", bad)
+        with pytest.raises(ValueError, match="ADAPTIVELOAD_FWD_STORE"):
+            _fwd_bulk_store()
+
+
 def test_max_threads_setting(monkeypatch):
     """Unset or "auto": 0 (the launcher's block shape); 32..512 pass through; anything else names the variable."""
     from adaptiveload.ops.adaln_modulate import _max_threads
@@ -568,6 +583,17 @@ def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatc
             got = torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype)
             for name, ref, g in zip(("y", "mean", "rstd"), outputs["0"], got):
                 assert torch.equal(ref, g), f"{name} differs at {where} interleaved, stages {setting}"
+        monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", "tile")
+        # y written through the ring slot by bulk stores (per-sample: y of x's size; fp32 modulation and
+        # 2 slots included, where the threads store instead), interleaved and tiles
+        monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", "bulk")
+        monkeypatch.setenv("ADAPTIVELOAD_FWD_STAGES", stages)
+        for order in ("tile", "interleave"):
+            monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", order)
+            got = torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype)
+            for name, ref, g in zip(("y", "mean", "rstd"), outputs["0"], got):
+                assert torch.equal(ref, g), f"{name} differs at {where}, bulk store, {order}"
+        monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", "threads")
         monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", "tile")
     # and the ring itself, in its automatic block shape, against float64 (the environment still selects it)
     monkeypatch.delenv("ADAPTIVELOAD_MAX_THREADS")
