@@ -5,7 +5,8 @@
   ring   forward and backward by ring slots (ADAPTIVELOAD_FWD_STAGES / _BWD_STAGES = 0, auto, 2, 3, 4, 8)
          at N = 65536, B = 1 / 2, D = 1536 / 3072 / 5120, bf16 x, fp32 per-sample modulation; forward by
          row order (ADAPTIVELOAD_FWD_ROW_ORDER = tile / interleave) and how y is stored
-         (ADAPTIVELOAD_FWD_STORE = threads / bulk), each three times in turn; by thread
+         (ADAPTIVELOAD_FWD_STORE = threads / bulk), each three times in turn, and the bulk store by ring
+         slots (auto, 3, 4, 8); by thread
          cap (512, 256, 128, 64) at D = 1536 / 3072; per-token forward (bf16 rows of a [B, N, 2D] chunk)
   wide   forward and backward at wide rows (fp32 x D = 3072 / 5120 / 8192, bf16 D = 8192 / 12288 / 16384;
          x of 512 MiB) with default settings
@@ -103,6 +104,10 @@ def stage_ring(tt, op, bwd, bw):
                        ("tile", "interleave") * 3)
             by_setting(tt, f"B={B} D={D} fwd store, alternated", fwd, sol_f, "ADAPTIVELOAD_FWD_STORE",
                        ("threads", "bulk") * 3)
+            os.environ["ADAPTIVELOAD_FWD_STORE"] = "bulk"
+            by_setting(tt, f"B={B} D={D} fwd stages, bulk store", fwd, sol_f, "ADAPTIVELOAD_FWD_STAGES",
+                       ("auto", "3", "4", "8"))
+            os.environ.pop("ADAPTIVELOAD_FWD_STORE")
             if D < 5120:  # fewer threads a row, more chunks a thread (the ring at auto)
                 caps = ("512", "256", "128", "64")
                 by_setting(tt, f"B={B} D={D} fwd max_threads", fwd, sol_f, "ADAPTIVELOAD_MAX_THREADS", caps)
