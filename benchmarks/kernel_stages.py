@@ -152,7 +152,27 @@ def stage_ab(tt, op, bwd, bw):
                   flush=True)
 
 
-STAGES = {"sweep": stage_sweep, "ring": stage_ring, "wide": stage_wide, "ab": stage_ab}
+def stage_store(tt, op, bwd, bw):
+    settings = (("threads", "auto", "0"), ("bulk", "4", "0"), ("bulk", "5", "0"), ("bulk", "6", "0"),
+                ("bulk", "4", "256"), ("threads", "4", "0"))
+    for B in (1, 2):
+        for D in (1536, 3072, 5120):
+            x, s, h = per_sample(B, 65536, D, torch.bfloat16)
+            fwd = lambda: op(x, None, None, s, h, EPS, torch.bfloat16)  # noqa: E731
+            sol_f = sol_ms(x, 2, bw)
+            for rnd in range(3):
+                cells = []
+                for store, stages, cap in settings:
+                    os.environ.update(ADAPTIVELOAD_FWD_STORE=store, ADAPTIVELOAD_FWD_STAGES=stages,
+                                      ADAPTIVELOAD_MAX_THREADS=cap)
+                    ms = median_ms(tt, fwd)
+                    cells.append(f"{store}/{stages}/{cap}: {ms:.4f} ms ({100 * sol_f / ms:.1f}%)")
+                print(f"B={B} D={D} fwd round {rnd} (store/slots/thread cap): " + "; ".join(cells), flush=True)
+    for var in ("ADAPTIVELOAD_FWD_STORE", "ADAPTIVELOAD_FWD_STAGES", "ADAPTIVELOAD_MAX_THREADS"):
+        os.environ.pop(var)
+
+
+STAGES = {"sweep": stage_sweep, "ring": stage_ring, "wide": stage_wide, "ab": stage_ab, "store": stage_store}
 
 
 def main(argv=None) -> int:
