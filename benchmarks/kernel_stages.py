@@ -153,8 +153,8 @@ def stage_ab(tt, op, bwd, bw):
 
 
 def stage_store(tt, op, bwd, bw):
-    settings = (("threads", "auto", "0"), ("bulk", "4", "0"), ("bulk", "5", "0"), ("bulk", "6", "0"),
-                ("bulk", "4", "256"), ("threads", "4", "0"))
+    settings = (("threads", "auto", "auto"), ("bulk", "4", "auto"), ("bulk", "5", "auto"), ("bulk", "6", "auto"),
+                ("bulk", "4", "256"), ("threads", "4", "auto"))
     for B in (1, 2):
         for D in (1536, 3072, 5120):
             x, s, h = per_sample(B, 65536, D, torch.bfloat16)
