@@ -1,5 +1,5 @@
-"""Op-only timings of the fused LayerNorm -> modulate kernels, one GPU: the `sweep`, `ring`, `wide` and
-`host` stages of benchmarks/gpu_session.sh (which writes each stage's output to $OUT/<stage>.log).
+"""Op-only timings of the fused LayerNorm -> modulate kernels, one GPU: the `sweep`, `ring`, `wide`,
+`store` and `host` stages of benchmarks/gpu_session.sh (which writes each stage's output to $OUT/<stage>.log).
 
   sweep  forward, one-pass and two-kernel backward at thread caps 256 / 512 (ADAPTIVELOAD_MAX_THREADS)
   ring   forward and backward by ring slots (ADAPTIVELOAD_FWD_STAGES / _BWD_STAGES = 0, auto, 2, 3, 4, 8)
@@ -10,6 +10,9 @@
          cap (512, 256, 128, 64) at D = 1536 / 3072; per-token forward (bf16 rows of a [B, N, 2D] chunk)
   wide   forward and backward at wide rows (fp32 x D = 3072 / 5120 / 8192, bf16 D = 8192 / 12288 / 16384;
          x of 512 MiB) with default settings
+  store  the forward by how y is stored, ring slots and thread cap (ADAPTIVELOAD_FWD_STORE / _FWD_STAGES /
+         _MAX_THREADS), settings alternated three times at N = 65536, B = 1 / 2, D = 1536 / 3072 / 5120,
+         once at B = 1, D = 1024 / 2048 / 2560 / 4096; bf16 x, fp32 per-sample modulation
   host   host time of one forward+backward call per implementation (bench_adaln.host_time_us)
   ab     forward and backward at N = 65536, B = 1 / 2, D = 1536 / 3072 / 5120, bf16 x, fp32 per-sample
          modulation, default settings, one line a shape: run once for each of two builds, in turn
@@ -17,7 +20,7 @@
 
 Times are triton.testing.do_bench medians (ms) and fractions of speed-of-light: bytes that must move
 (per-sample forward 2, backward 3 x-sized tensors; per-token 4 and 6) / measured copy bandwidth.
-Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,ab,host}
+Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,ab,store,host}
 """
 from __future__ import annotations
 
@@ -153,21 +156,21 @@ def stage_ab(tt, op, bwd, bw):
 
 
 def stage_store(tt, op, bwd, bw):
-    settings = (("threads", "auto", "auto"), ("bulk", "4", "auto"), ("bulk", "5", "auto"), ("bulk", "6", "auto"),
-                ("bulk", "4", "256"), ("threads", "4", "auto"))
-    for B in (1, 2):
-        for D in (1536, 3072, 5120):
-            x, s, h = per_sample(B, 65536, D, torch.bfloat16)
-            fwd = lambda: op(x, None, None, s, h, EPS, torch.bfloat16)  # noqa: E731
-            sol_f = sol_ms(x, 2, bw)
-            for rnd in range(3):
-                cells = []
-                for store, stages, cap in settings:
-                    os.environ.update(ADAPTIVELOAD_FWD_STORE=store, ADAPTIVELOAD_FWD_STAGES=stages,
-                                      ADAPTIVELOAD_MAX_THREADS=cap)
-                    ms = median_ms(tt, fwd)
-                    cells.append(f"{store}/{stages}/{cap}: {ms:.4f} ms ({100 * sol_f / ms:.1f}%)")
-                print(f"B={B} D={D} fwd round {rnd} (store/slots/thread cap): " + "; ".join(cells), flush=True)
+    settings = (("auto", "auto", "auto"), ("threads", "auto", "auto"), ("bulk", "4", "auto"), ("bulk", "5", "auto"),
+                ("bulk", "6", "auto"), ("threads", "4", "auto"))
+    for B, D, rounds in ((1, 1536, 3), (1, 3072, 3), (1, 5120, 3), (2, 1536, 3), (2, 3072, 3), (2, 5120, 3),
+                         (1, 1024, 1), (1, 2048, 1), (1, 2560, 1), (1, 4096, 1)):
+        x, s, h = per_sample(B, 65536, D, torch.bfloat16)
+        fwd = lambda: op(x, None, None, s, h, EPS, torch.bfloat16)  # noqa: E731
+        sol_f = sol_ms(x, 2, bw)
+        for rnd in range(rounds):
+            cells = []
+            for store, stages, cap in settings:
+                os.environ.update(ADAPTIVELOAD_FWD_STORE=store, ADAPTIVELOAD_FWD_STAGES=stages,
+                                  ADAPTIVELOAD_MAX_THREADS=cap)
+                ms = median_ms(tt, fwd)
+                cells.append(f"{store}/{stages}/{cap}: {ms:.4f} ms ({100 * sol_f / ms:.1f}%)")
+            print(f"B={B} D={D} fwd round {rnd} (store/slots/thread cap): " + "; ".join(cells), flush=True)
     for var in ("ADAPTIVELOAD_FWD_STORE", "ADAPTIVELOAD_FWD_STAGES", "ADAPTIVELOAD_MAX_THREADS"):
         os.environ.pop(var)
 

@@ -44,9 +44,10 @@ for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
     os.environ["ADAPTIVELOAD_FWD_STAGES"] = ("auto", "auto", "2", "0", "0", "3", "auto", "2", "0", "3")[i]
     os.environ["ADAPTIVELOAD_BWD_STAGES"] = ("auto", "auto", "3", "0", "0", "auto", "0", "auto", "auto", "auto")[i]
     os.environ["ADAPTIVELOAD_FWD_ROW_ORDER"] = "interleave" if i in (1, 3, 7, 8, 9) else "tile"
-    # y by bulk stores from the ring slots: case 0 (a row or so a block) and case 9 (3 slots, the
-    # fewest it takes, many rows a block, interleaved); case 7 asks with 2 slots (the threads store)
-    os.environ["ADAPTIVELOAD_FWD_STORE"] = "bulk" if i in (0, 7, 9) else "threads"
+    # y by bulk stores from the ring slots: case 0 (a row or so a block, 4 slots: the automatic count
+    # for the bulk store) and case 9 (3 slots, the fewest it takes, many rows a block, interleaved);
+    # case 7 asks with 2 slots (the threads store); the others take the launcher's choice
+    os.environ["ADAPTIVELOAD_FWD_STORE"] = "bulk" if i in (0, 7, 9) else "auto"
     x = torch.randn(B, N, D, device="cuda", generator=g).to(xdt)
     if layout == "strided":
         scale, shift = (t.unsqueeze(1) for t in torch.randn(B, 3 * D, device="cuda", generator=g).to(mdt).chunk(3, -1)[:2])

@@ -353,7 +353,7 @@ struct BwdKernels {
     } else {
       a.stages = 0;
     }
-    with_kernel(a, [&](auto kernel) { one_wave(kernel, threads, smem(a, threads), a.B, a.N, a.tiles, a.rows_per_tile); });
+    with_kernel(a, [&](auto kernel) { one_wave(kernel, threads, smem(a, threads), a.B, a.N, false, a.tiles, a.rows_per_tile); });
   }
   static void launch(const BwdArgs& a, int threads, cudaStream_t stream) {
     with_kernel(a, [&](auto kernel) {

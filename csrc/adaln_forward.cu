@@ -75,13 +75,13 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   };
   RingCursor cur{full, S};
   if constexpr (RING) cur.start(0, count, fetch);
-  // Bulk store of y (FwdArgs::bulk_store): the k-th row's y is written into its own slot, over x,
+  // Bulk store of y (FwdArgs::store): the k-th row's y is written into its own slot, over x,
   // each thread at the columns it read, then fenced for the async proxy by each writer; after the
   // next row's first barrier thread 0 has the copy engine store it, and refills the slot of the row
   // before (whose store has then left shared memory), so rows are fetched S - 2 ahead. Needs y of
   // x's element size (the slot holds a row of x) and S >= 3.
   constexpr bool kBulkY = RING && !PT && sizeof(To) == sizeof(Tx);
-  const bool bulk_y = kBulkY && a.bulk_store && S >= 3;
+  const bool bulk_y = kBulkY && a.store == 1 && S >= 3;
   auto y_row = [&](int64_t k) { return y + (b * a.N + row(k)) * static_cast<int64_t>(D); };
   auto slot_back = [&](int back) { return cur.slot - back < 0 ? cur.slot - back + S : cur.slot - back; };
 #pragma unroll
@@ -296,17 +296,28 @@ constexpr int kRingChunksPerToken = 2;
 // Automatic forward ring: slots for ~32 KB of rows per block. 64 KB (the backward's) measured worse on the
 // H200 wherever it gave more than 4 slots: per-token D = 1536 (7 slots) 73% of SoL against 88% with 2.
 constexpr size_t kFwdRingBytes = 32 * 1024;
+// Automatic store of y (FwdArgs::store = -1): the bulk store from the ring slot for rows of up to
+// 6 KB, with 4 slots unless FwdArgs::stages asks otherwise. Measured on the H200 (bf16, per-sample,
+// N = 65536, B = 1 / 2; KERNEL_NOTES v18): D = 1536 84 / 88% of SoL against 81 / 86% storing from
+// the threads, D = 3072 90 / 91% against 89 / 89%; at D = 5120 (10 KB rows) 81–82% against 87–88%.
+constexpr size_t kBulkStoreRowBytes = 6 * 1024;
+constexpr int kBulkStoreStages = 4;
 
 template <typename Tx, typename Tm, typename To>
 void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
   const bool pt = a0.scale.sn != 0 || (a0.shift.ptr && a0.shift.sn != 0);
   const size_t slot = ring_stride(a0.D, sizeof(Tx)) + (pt ? mod_rows(a0).count() : 0) * ring_stride(a0.D, sizeof(Tm));
+  // y through the ring slot (per-sample or shared modulation, y of x's element size; the kernel
+  // also needs 3 or more slots)
+  const bool bulk = !pt && sizeof(To) == sizeof(Tx) &&
+                    (a0.store == 1 || (a0.store < 0 && static_cast<size_t>(a0.D) * sizeof(Tx) <= kBulkStoreRowBytes));
   auto go = [&](auto kernel, RowShape rs, int stages) {
     FwdArgs a = a0;
     a.stages = stages;
+    a.store = bulk ? 1 : 0;
     const size_t smem = coef_smem_bytes(2, rs.chunks, rs.threads, a.xt) + stages * slot;
     int64_t tiles, rpt;
-    one_wave(kernel, rs.threads, smem, a.B, a.N, tiles, rpt);
+    one_wave(kernel, rs.threads, smem, a.B, a.N, a.interleave, tiles, rpt);
     kernel<<<static_cast<unsigned>(a.B * tiles), rs.threads, smem, stream>>>(a, tiles, rpt);
   };
   // the ring where it compiles without spills (its own, narrower block shape), else the register prefetch
@@ -318,7 +329,8 @@ void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
       constexpr int kC = decltype(chunks)::value;
       auto try_ring = [&](auto kernel) {
         const size_t coef = coef_smem_bytes(2, kC, ring.threads, a0.xt);
-        const int stages = ring_stages(a0.stages, a0.aligned, coef, slot, kFwdRingBytes,
+        const int requested = bulk && a0.stages < 0 ? kBulkStoreStages : a0.stages;
+        const int stages = ring_stages(requested, a0.aligned, coef, slot, kFwdRingBytes,
                                        reinterpret_cast<const void*>(kernel));
         if (stages > 0) go(kernel, ring, stages);
         ran = stages > 0;

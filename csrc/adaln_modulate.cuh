@@ -61,10 +61,10 @@ struct FwdArgs {
   // Row order of a forward block: true = interleaved (rows t, t + tiles, ... of its sample, so the
   // blocks of the wave sweep x together; the default), false = a tile of consecutive rows.
   bool interleave = true;
-  // Ring forward, per-sample or shared modulation, y of x's element size, >= 3 slots: y is written
-  // into the row's ring slot and stored by the copy engine (bulk store) when true; else each thread
-  // stores its own 16-byte groups. Tuning knob (ADAPTIVELOAD_FWD_STORE), same bits either way.
-  bool bulk_store = false;
+  // How the ring forward writes y: 1 = into the row's ring slot, stored by the copy engine (a bulk
+  // store; per-sample or shared modulation, y of x's element size, >= 3 slots), 0 = each thread its
+  // own 16-byte groups, -1 = chosen by the launcher (kBulkStoreRowBytes). Same bits either way.
+  int store = -1;
 };
 
 struct BwdArgs {
@@ -144,8 +144,13 @@ void run_backward_f16(BwdArgs& a, bool launch, cudaStream_t stream);
 // Split N rows per sample into tiles so that B * tiles blocks fill the GPU once (blocks per SM from
 // the occupancy calculator): every block then streams many rows, and the per-block costs (loading
 // the modulation row, writing column partials) are paid once per SM slot rather than per row.
+// Tiles of consecutive rows (`interleaved` false) have rows_per_tile rows each, the last one fewer.
+// Interleaved rows (the forward's t, t + tiles, ...) take every block slot of the wave, so that each
+// SM gets the same number of blocks and, to a row, the same number of rows (tiles of consecutive rows
+// left part of the SMs a block short: 1041 blocks of 63 rows for 1056 slots at N = 65536).
 template <typename Kernel>
-void one_wave(Kernel kernel, int threads, size_t smem, int64_t B, int64_t N, int64_t& tiles, int64_t& rows_per_tile) {
+void one_wave(Kernel kernel, int threads, size_t smem, int64_t B, int64_t N, bool interleaved, int64_t& tiles,
+              int64_t& rows_per_tile) {
   // above 48 KB of dynamic + static shared memory a kernel must opt in (static: < 1 KB here),
   // done with the first occupancy query that needs it
   // the occupancy query costs microseconds: cache it per (kernel, threads, smem, device)
@@ -179,10 +184,10 @@ void one_wave(Kernel kernel, int threads, size_t smem, int64_t B, int64_t N, int
     cache[key] = per_sm;
   }
   const int64_t target = static_cast<int64_t>(num_sms()) * per_sm;
-  tiles = (target + B - 1) / B;
+  tiles = interleaved ? target / B : (target + B - 1) / B;  // (interleaved: never past one wave)
   tiles = tiles < 1 ? 1 : (tiles > N ? N : tiles);
   rows_per_tile = (N + tiles - 1) / tiles;
-  tiles = (N + rows_per_tile - 1) / rows_per_tile;  // no empty tiles
+  if (!interleaved) tiles = (N + rows_per_tile - 1) / rows_per_tile;  // no empty tiles
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -365,19 +365,23 @@ def _fwd_interleave() -> bool:
     return value == "interleave"
 
 
-def _fwd_bulk_store() -> bool:
-    """``ADAPTIVELOAD_FWD_STORE``: how the ring forward writes y ("threads", the default: each thread
-    its own 16-byte groups; "bulk": into the row's ring slot, then one bulk store by the copy engine;
-    per-sample or shared modulation, y of x's element size, 3 or more slots, else "threads"). A
-    tuning knob for benchmarks; y is bit for bit the same.
+_FWD_STORES = {"auto": -1, "threads": 0, "bulk": 1}
+
+
+def _fwd_store() -> int:
+    """``ADAPTIVELOAD_FWD_STORE``: how the ring forward writes y ("auto", the default, -1: the
+    launcher's choice, "bulk" for rows of up to 6 KB; "threads", 0: each thread its own 16-byte
+    groups; "bulk", 1: into the row's ring slot, then one bulk store by the copy engine, where the
+    modulation is per-sample or shared, y has x's element size and the ring has 3 or more slots,
+    else as "threads"). A tuning knob for benchmarks; y is bit for bit the same.
 
     Raises:
-        ValueError: a value other than "threads" or "bulk".
+        ValueError: a value other than "auto", "threads" or "bulk".
     """
-    value = os.environ.get("ADAPTIVELOAD_FWD_STORE", "threads").strip().lower()
-    if value not in ("threads", "bulk"):
-        raise ValueError(f"ADAPTIVELOAD_FWD_STORE={value!r}: expected 'threads' or 'bulk'")
-    return value == "bulk"
+    value = os.environ.get("ADAPTIVELOAD_FWD_STORE", "auto").strip().lower()
+    if value not in _FWD_STORES:
+        raise ValueError(f"ADAPTIVELOAD_FWD_STORE={value!r}: expected 'auto', 'threads' or 'bulk'")
+    return _FWD_STORES[value]
 
 
 def _two_kernel_backward() -> bool:
@@ -407,7 +411,7 @@ def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
         return reference.forward(x, weight, bias, scale, shift, eps, out_dtype)
     return ops.forward(x, weight, bias, scale, shift, float(eps), out_dtype, _max_threads(),
                        _ring_stages("ADAPTIVELOAD_FWD_STAGES"), _fwd_interleave(),
-                       _fwd_bulk_store())
+                       _fwd_store())
 
 
 def _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd):

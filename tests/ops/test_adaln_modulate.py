@@ -380,18 +380,18 @@ def test_fwd_row_order_setting(monkeypatch):
 
 
 def test_fwd_store_setting(monkeypatch):
-    """Unset or "threads": threads store y; "bulk": the copy engine; anything else names the variable."""
-    from adaptiveload.ops.adaln_modulate import _fwd_bulk_store
+    """Unset or "auto": -1 (the launcher's choice); "threads": 0; "bulk": 1; anything else names the variable."""
+    from adaptiveload.ops.adaln_modulate import _fwd_store
 
     monkeypatch.delenv("ADAPTIVELOAD_FWD_STORE", raising=False)
-    assert _fwd_bulk_store() is False
-    for value, expected in [("threads", False), (" Bulk", True), ("bulk", True)]:
+    assert _fwd_store() == -1
+    for value, expected in [("auto", -1), ("threads", 0), (" Bulk", 1), ("bulk", 1)]:
         monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", value)
-        assert _fwd_bulk_store() is expected, value
+        assert _fwd_store() == expected, value
     for bad in ("tma", "1", ""):
         monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", bad)
         with pytest.raises(ValueError, match="ADAPTIVELOAD_FWD_STORE"):
-            _fwd_bulk_store()
+            _fwd_store()
 
 
 def test_max_threads_setting(monkeypatch):
@@ -540,6 +540,7 @@ def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatc
     gen = torch.Generator(device="cuda").manual_seed(21)
     monkeypatch.setenv("ADAPTIVELOAD_MAX_THREADS", "512")
     monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", "tile")
+    monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", "threads")
     cases = [  # (B, N, D, x dtype, modulation layout); per-token D <= 8192 (16-bit x) takes the ring
         (1, 1, 1536, torch.bfloat16, "per-sample"), (3, 7, 3072, torch.bfloat16, "per-sample"),
         (2, 4099, 5120, torch.bfloat16, "per-sample"), (1, 65536, 1536, torch.bfloat16, "per-sample"),
@@ -585,14 +586,16 @@ def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatc
                 assert torch.equal(ref, g), f"{name} differs at {where} interleaved, stages {setting}"
         monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", "tile")
         # y written through the ring slot by bulk stores (per-sample: y of x's size; fp32 modulation and
-        # 2 slots included, where the threads store instead), interleaved and tiles
-        monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", "bulk")
+        # 2 slots included, where the threads store instead), asked for and by the launcher's choice
+        # (bulk up to 6 KB rows, 4 slots when the stages are automatic), interleaved and tiles
         monkeypatch.setenv("ADAPTIVELOAD_FWD_STAGES", stages)
-        for order in ("tile", "interleave"):
-            monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", order)
-            got = torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype)
-            for name, ref, g in zip(("y", "mean", "rstd"), outputs["0"], got):
-                assert torch.equal(ref, g), f"{name} differs at {where}, bulk store, {order}"
+        for store in ("bulk", "auto"):
+            monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", store)
+            for order in ("tile", "interleave"):
+                monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", order)
+                got = torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype)
+                for name, ref, g in zip(("y", "mean", "rstd"), outputs["0"], got):
+                    assert torch.equal(ref, g), f"{name} differs at {where}, store {store}, {order}"
         monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", "threads")
         monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", "tile")
     # and the ring itself, in its automatic block shape, against float64 (the environment still selects it)
