@@ -90,6 +90,10 @@ if want ring; then
   python3 benchmarks/kernel_stages.py ring >"$OUT/ring.log" 2>&1
   echo "ring: exit $?"; cat "$OUT/ring.log"
 fi
+if want tail; then
+  python3 benchmarks/kernel_stages.py tail >"$OUT/tail.log" 2>&1
+  echo "tail: exit $?"; cat "$OUT/tail.log"
+fi
 if want store; then
   python3 benchmarks/kernel_stages.py store >"$OUT/store.log" 2>&1
   echo "store: exit $?"; cat "$OUT/store.log"

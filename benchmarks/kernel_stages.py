@@ -175,7 +175,19 @@ def stage_store(tt, op, bwd, bw):
         os.environ.pop(var)
 
 
-STAGES = {"sweep": stage_sweep, "ring": stage_ring, "wide": stage_wide, "ab": stage_ab, "store": stage_store}
+def stage_tail(tt, op, bwd, bw):
+    settings = ("0", "5/8", "10/8", "10/4", "15/8", "20/16")
+    for B, D, rounds in ((1, 1536, 3), (1, 3072, 3), (1, 5120, 3), (2, 1536, 3), (2, 3072, 3), (2, 5120, 3),
+                         (1, 1024, 1), (1, 2048, 1), (1, 4096, 1)):
+        x, s, h = per_sample(B, 65536, D, torch.bfloat16)
+        fwd = lambda: op(x, None, None, s, h, EPS, torch.bfloat16)  # noqa: E731
+        for rnd in range(rounds):
+            by_setting(tt, f"B={B} D={D} fwd round {rnd} by tail (percent/rows)", fwd, sol_ms(x, 2, bw),
+                       "ADAPTIVELOAD_FWD_TAIL", settings)
+
+
+STAGES = {"sweep": stage_sweep, "ring": stage_ring, "wide": stage_wide, "ab": stage_ab, "store": stage_store,
+          "tail": stage_tail}
 
 
 def main(argv=None) -> int:

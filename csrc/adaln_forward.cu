@@ -33,13 +33,19 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   __shared__ float red[2 * 1 * 32];
   __shared__ __align__(8) uint64_t full[RING ? kMaxStages : 1];
   int parity = 0;
-  const int64_t b = blockIdx.x / tiles, t = blockIdx.x % tiles;
   // The block's rows: the k-th (0 <= k < count) is row first + k * step of sample b. Tile order: a
   // tile of consecutive rows; interleaved order (a.interleave): rows t, t + tiles, t + 2 tiles, ...
-  // so that at any time the blocks of a wave read neighbouring rows.
-  const int64_t first = a.interleave ? t : t * rows_per_tile, step = a.interleave ? tiles : 1;
-  const int64_t count = a.interleave ? (t < a.N ? (a.N - 1 - t) / tiles + 1 : 0)
-                                     : min(a.N, first + rows_per_tile) - min(a.N, first);
+  // of the sample's first main_rows, so that at any time the blocks of a wave read neighbouring rows;
+  // after the wave's B * tiles blocks, short blocks of tail_rows consecutive rows take the rest.
+  const int64_t wave = a.B * tiles;
+  const bool tail = blockIdx.x >= wave;
+  const int64_t j = tail ? blockIdx.x - wave : blockIdx.x, per = tail ? a.tail_blocks : tiles;
+  const int64_t b = j / per, t = j % per;
+  const int64_t first = tail ? a.main_rows + t * a.tail_rows : (a.interleave ? t : t * rows_per_tile);
+  const int64_t step = a.interleave && !tail ? tiles : 1;
+  const int64_t count = tail ? min(static_cast<int64_t>(a.tail_rows), a.N - first)
+                             : (a.interleave ? (t < a.main_rows ? (a.main_rows - 1 - t) / tiles + 1 : 0)
+                                             : min(a.N, first + rows_per_tile) - min(a.N, first));
   if (count <= 0) return;  // whole block: no barrier is skipped by part of it
   const int D = a.D, T = blockDim.x, tid = threadIdx.x;
   const bool al = a.aligned;
@@ -302,6 +308,8 @@ constexpr size_t kFwdRingBytes = 32 * 1024;
 // the threads, D = 3072 90 / 91% against 89 / 89%; at D = 5120 (10 KB rows) 81–82% against 87–88%.
 constexpr size_t kBulkStoreRowBytes = 6 * 1024;
 constexpr int kBulkStoreStages = 4;
+// Automatic share of the rows left to short blocks after the wave (FwdArgs::tail_pct = -1).
+constexpr int kFwdTailPct = 10;
 
 template <typename Tx, typename Tm, typename To>
 void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
@@ -318,7 +326,15 @@ void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
     const size_t smem = coef_smem_bytes(2, rs.chunks, rs.threads, a.xt) + stages * slot;
     int64_t tiles, rpt;
     one_wave(kernel, rs.threads, smem, a.B, a.N, a.interleave, tiles, rpt);
-    kernel<<<static_cast<unsigned>(a.B * tiles), rs.threads, smem, stream>>>(a, tiles, rpt);
+    const int pct = a.tail_pct < 0 ? kFwdTailPct : a.tail_pct;
+    const int64_t per_block = a.N * (100 - pct) / 100 / tiles;  // the wave's rows a block
+    a.main_rows = a.N;
+    a.tail_blocks = 0;
+    if (a.interleave && pct > 0 && a.tail_rows > 0 && per_block >= 2) {
+      a.main_rows = per_block * tiles;
+      a.tail_blocks = (a.N - a.main_rows + a.tail_rows - 1) / a.tail_rows;
+    }
+    kernel<<<static_cast<unsigned>(a.B * (tiles + a.tail_blocks)), rs.threads, smem, stream>>>(a, tiles, rpt);
   };
   // the ring where it compiles without spills (its own, narrower block shape), else the register prefetch
   const int ring_chunks = pt ? kRingChunksPerToken : kRingChunks;

@@ -100,7 +100,8 @@ void check_mod_dtype(const Tensor& m, const Tensor& x, const char* name) {
 
 std::vector<Tensor> forward_rows(const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
                                  const Tensor& scale, const optional<Tensor>& shift, double eps, bool out_fp32,
-                                 int64_t max_threads, int64_t stages, bool interleave, int64_t store) {
+                                 int64_t max_threads, int64_t stages, bool interleave, int64_t store,
+                                 int64_t tail_pct, int64_t tail_rows) {
   check_x(x, "x");
   const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
   FwdArgs a;
@@ -133,6 +134,8 @@ std::vector<Tensor> forward_rows(const Tensor& x, const optional<Tensor>& weight
   a.stages = static_cast<int>(stages);
   a.interleave = interleave;
   a.store = static_cast<int>(store);
+  a.tail_pct = static_cast<int>(tail_pct);
+  a.tail_rows = static_cast<int>(tail_rows);
   const int64_t vec = a.xt == DType::F32 ? 4 : 8;
   a.aligned = D % vec == 0 && aligned16(a.x) && aligned16(a.y) && (!a.weight || aligned16(a.weight)) &&
               (!a.bias || aligned16(a.bias)) && mod_aligned(a.scale, scale.element_size()) &&
@@ -289,12 +292,12 @@ std::tuple<Tensor, Tensor, Tensor> op_forward(const Tensor& x, const optional<Te
                                               const optional<Tensor>& bias, const Tensor& scale,
                                               const optional<Tensor>& shift, double eps, at::ScalarType out_dtype,
                                               int64_t max_threads, int64_t stages, bool interleave,
-                                              int64_t store) {
+                                              int64_t store, int64_t tail_pct, int64_t tail_rows) {
   const int64_t B = x.size(0), D = x.size(-1);
   const auto [scale_rows, shift_rows] = scale_shift_rows(x, scale, shift);
   auto out = forward_rows(x.contiguous().view({B, -1, D}), affine_f32(weight), affine_f32(bias), scale_rows,
                           shift_rows, eps, out_dtype != x.scalar_type(), max_threads, stages,
-                          interleave, store);
+                          interleave, store, tail_pct, tail_rows);
   Tensor y = out[0];
   if (out_dtype != x.scalar_type() && out_dtype != at::kFloat) y = y.to(out_dtype);
   return {y.view(x.sizes()), out[1].view(stat_shape(x)), out[2].view(stat_shape(x))};
@@ -336,11 +339,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused LayerNorm -> adaptive modulation CUDA kernels (adaptiveload)";
   m.def("forward", &adaln::op_forward,
         "y, mean, rstd = forward(x[B,...,D], weight?, bias?, scale, shift?, eps, out_dtype, max_threads, stages, "
-        "interleave, store): "
+        "interleave, store, tail_pct, tail_rows): "
         "the CUDA body of adaptiveload::adaln_modulate (inputs validated by the caller)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"), py::arg("eps"),
         py::arg("out_dtype"), py::arg("max_threads") = 0, py::arg("stages") = -1, py::arg("interleave") = true,
-        py::arg("store") = -1);
+        py::arg("store") = -1, py::arg("tail_pct") = -1, py::arg("tail_rows") = 8);
   m.def("backward", &adaln::op_backward,
         "dx, dweight, dbias, dscale, dshift = backward(dy, x, weight?, bias?, scale, shift?, mean, rstd, "
         "two_kernel, max_threads, stages): the CUDA body of adaptiveload::adaln_modulate_backward",

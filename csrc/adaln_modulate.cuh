@@ -65,6 +65,13 @@ struct FwdArgs {
   // store; per-sample or shared modulation, y of x's element size, >= 3 slots), 0 = each thread its
   // own 16-byte groups, -1 = chosen by the launcher (kBulkStoreRowBytes). Same bits either way.
   int store = -1;
+  // Interleaved order: the wave takes main_rows rows a sample (a whole number per block), then
+  // tail_blocks short blocks a sample take tail_rows consecutive rows each, launched after the wave so
+  // that the SMs that finish their share first take them. tail_pct: the share of the rows left to them
+  // (-1 = chosen by the launcher, 0 = none); main_rows and tail_blocks are set by the launcher.
+  int tail_pct = -1;
+  int tail_rows = 8;
+  int64_t main_rows = 0, tail_blocks = 0;
 };
 
 struct BwdArgs {

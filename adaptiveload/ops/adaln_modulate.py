@@ -384,6 +384,23 @@ def _fwd_store() -> int:
     return _FWD_STORES[value]
 
 
+def _fwd_tail() -> tuple:
+    """``ADAPTIVELOAD_FWD_TAIL``: "auto" (the launcher's share), "0" (none) or "P" / "P/R": P percent
+    of each sample's rows left to short blocks of R (default 8) consecutive rows, launched after the
+    interleaved wave. A tuning knob for benchmarks; y is bit for bit the same.
+
+    Raises:
+        ValueError: anything else.
+    """
+    value = os.environ.get("ADAPTIVELOAD_FWD_TAIL", "auto").strip().lower()
+    if value == "auto":
+        return -1, 8
+    pct, _, rows = value.partition("/")
+    if pct.isdigit() and int(pct) <= 50 and (not rows or (rows.isdigit() and int(rows) >= 1)):
+        return int(pct), int(rows or 8)
+    raise ValueError(f"ADAPTIVELOAD_FWD_TAIL={value!r}: expected 'auto', 'P' or 'P/R' (P 0..50, R >= 1)")
+
+
 def _two_kernel_backward() -> bool:
     """``ADAPTIVELOAD_BWD=two_kernel`` selects the reference design of the backward (a dx kernel and a
     column kernel re-reading x and dy) instead of the one-pass kernel; for benchmarks."""
@@ -411,7 +428,7 @@ def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
         return reference.forward(x, weight, bias, scale, shift, eps, out_dtype)
     return ops.forward(x, weight, bias, scale, shift, float(eps), out_dtype, _max_threads(),
                        _ring_stages("ADAPTIVELOAD_FWD_STAGES"), _fwd_interleave(),
-                       _fwd_store())
+                       _fwd_store(), *_fwd_tail())
 
 
 def _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd):

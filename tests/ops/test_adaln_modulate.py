@@ -596,6 +596,14 @@ def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatc
                 got = torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype)
                 for name, ref, g in zip(("y", "mean", "rstd"), outputs["0"], got):
                     assert torch.equal(ref, g), f"{name} differs at {where}, store {store}, {order}"
+        # interleaved rows with no short blocks after the wave, and with a third of the rows in
+        # blocks of 3 (the launcher skips them where the wave would get fewer than 2 rows a block)
+        for tail in ("0", "33/3"):
+            monkeypatch.setenv("ADAPTIVELOAD_FWD_TAIL", tail)
+            got = torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype)
+            for name, ref, g in zip(("y", "mean", "rstd"), outputs["0"], got):
+                assert torch.equal(ref, g), f"{name} differs at {where}, interleaved, tail {tail}"
+        monkeypatch.delenv("ADAPTIVELOAD_FWD_TAIL")
         monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", "threads")
         monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", "tile")
     # and the ring itself, in its automatic block shape, against float64 (the environment still selects it)
