@@ -1,5 +1,5 @@
 """Op-only timings of the fused LayerNorm -> modulate kernels, one GPU: the `sweep`, `ring`, `wide`,
-`store` and `host` stages of benchmarks/gpu_session.sh (which writes each stage's output to $OUT/<stage>.log).
+`store`, `tail` and `host` stages of benchmarks/gpu_session.sh (which writes each stage's output to $OUT/<stage>.log).
 
   sweep  forward, one-pass and two-kernel backward at thread caps 256 / 512 (ADAPTIVELOAD_MAX_THREADS)
   ring   forward and backward by ring slots (ADAPTIVELOAD_FWD_STAGES / _BWD_STAGES = 0, auto, 2, 3, 4, 8)
@@ -13,6 +13,8 @@
   store  the forward by how y is stored, ring slots and thread cap (ADAPTIVELOAD_FWD_STORE / _FWD_STAGES /
          _MAX_THREADS), settings alternated three times at N = 65536, B = 1 / 2, D = 1536 / 3072 / 5120,
          once at B = 1, D = 1024 / 2048 / 2560 / 4096; bf16 x, fp32 per-sample modulation
+  tail   the forward by the share of rows left to short blocks after the wave (ADAPTIVELOAD_FWD_TAIL = 0, 5/8,
+         10/8, 10/4, 15/8, 20/16), alternated three times at the store stage's shapes (once at D = 1024 / 2048 / 4096)
   host   host time of one forward+backward call per implementation (bench_adaln.host_time_us)
   ab     forward and backward at N = 65536, B = 1 / 2, D = 1536 / 3072 / 5120, bf16 x, fp32 per-sample
          modulation, default settings, one line a shape: run once for each of two builds, in turn
@@ -20,7 +22,7 @@
 
 Times are triton.testing.do_bench medians (ms) and fractions of speed-of-light: bytes that must move
 (per-sample forward 2, backward 3 x-sized tensors; per-token 4 and 6) / measured copy bandwidth.
-Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,ab,store,host}
+Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,ab,store,tail,host}
 """
 from __future__ import annotations
 

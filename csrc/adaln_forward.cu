@@ -8,6 +8,8 @@
 // The i-th block of a sample takes its rows i, i + tiles, i + 2 tiles, ... (FwdArgs::interleave, the
 // default), so at any time the wave reads a window of neighbouring rows, as a copy kernel does; a
 // tile of consecutive rows per block measured 3-4 points of SoL slower at D = 1536 (KERNEL_NOTES v14).
+// With interleaved rows the wave takes FwdArgs::main_rows of each sample, and short blocks of
+// tail_rows consecutive rows, launched after it, take the rest as SMs free up (KERNEL_NOTES v20).
 // A block of T threads covers one row at a time; thread t owns the 16-byte groups t, t + T, ...
 // (C of them), so the row stays in registers and the next row's x is loaded while the current
 // row is reduced. Statistics are two-pass in fp32 (mean, then the mean of squared deviations of
@@ -304,14 +306,15 @@ constexpr int kRingChunksPerToken = 2;
 constexpr size_t kFwdRingBytes = 32 * 1024;
 // Automatic store of y (FwdArgs::store = -1): the bulk store from the ring slot for rows of up to
 // 6 KB, with 4 slots unless FwdArgs::stages asks otherwise. Measured on the H200 (bf16, per-sample,
-// N = 65536, B = 1 / 2; KERNEL_NOTES v18): D = 1536 84 / 88% of SoL against 81 / 86% storing from
-// the threads, D = 3072 90 / 91% against 89 / 89%; at D = 5120 (10 KB rows) 81–82% against 87–88%.
+// N = 65536, B = 1 / 2; KERNEL_NOTES v18, v19): D = 1536 84 / 88% of SoL against 81 / 85–86% storing
+// from the threads, D = 3072 90 / 87–91% against 88–89 / 87–90%; at D = 5120 (10 KB rows) 81–83%
+// against 87–90%.
 constexpr size_t kBulkStoreRowBytes = 6 * 1024;
 constexpr int kBulkStoreStages = 4;
 // Automatic share of the rows left to short blocks of 8 rows after the wave (FwdArgs::tail_pct = -1):
 // 10% for rows of up to 4 KB, 5% for wider ones. Measured on the H200 (bf16, per-sample, N = 65536,
-// B = 1 / 2, against no short blocks; KERNEL_NOTES v20): D = 1536 86 / 91% of SoL against 84 / 89%
-// (10%), D = 5120 90 / 91% against 88 / 89% (5%); D = 3072 89–90 / 92–93% against 90–91 / 93% (5%;
+// B = 1 / 2, against no short blocks; KERNEL_NOTES v20): D = 1536 86 / 91% of SoL against 84 / 88–89%
+// (10%), D = 5120 90 / 91–92% against 88 / 89% (5%); D = 3072 89–90 / 92–93% against 90–91 / 93% (5%;
 // 10% gave 86 / 89%).
 constexpr size_t kFwdTailRowBytes = 4 * 1024;
 constexpr int kFwdTailPctNarrow = 10, kFwdTailPctWide = 5;
