@@ -395,9 +395,10 @@ def _fwd_tail() -> tuple:
     value = os.environ.get("ADAPTIVELOAD_FWD_TAIL", "auto").strip().lower()
     if value == "auto":
         return -1, 8
-    pct, _, rows = value.partition("/")
-    if pct.isdigit() and int(pct) <= 50 and (not rows or (rows.isdigit() and int(rows) >= 1)):
-        return int(pct), int(rows or 8)
+    pct, slash, rows = value.partition("/")
+    rows = rows if slash else "8"
+    if pct.isdigit() and int(pct) <= 50 and rows.isdigit() and int(rows) >= 1:
+        return int(pct), int(rows)
     raise ValueError(f"ADAPTIVELOAD_FWD_TAIL={value!r}: expected 'auto', 'P' or 'P/R' (P 0..50, R >= 1)")
 
 

@@ -394,6 +394,22 @@ def test_fwd_store_setting(monkeypatch):
             _fwd_store()
 
 
+def test_fwd_tail_setting(monkeypatch):
+    """Unset or "auto": (-1, 8), the launcher's share; "P" and "P/R": P percent in blocks of R rows
+    (8 if not given); anything else names the variable."""
+    from adaptiveload.ops.adaln_modulate import _fwd_tail
+
+    monkeypatch.delenv("ADAPTIVELOAD_FWD_TAIL", raising=False)
+    assert _fwd_tail() == (-1, 8)
+    for value, expected in [("auto", (-1, 8)), ("0", (0, 8)), (" 10 ", (10, 8)), ("5/16", (5, 16)), ("50/1", (50, 1))]:
+        monkeypatch.setenv("ADAPTIVELOAD_FWD_TAIL", value)
+        assert _fwd_tail() == expected, value
+    for bad in ("51", "10/0", "-5", "10/", "/8", "ten", ""):
+        monkeypatch.setenv("ADAPTIVELOAD_FWD_TAIL", bad)
+        with pytest.raises(ValueError, match="ADAPTIVELOAD_FWD_TAIL"):
+            _fwd_tail()
+
+
 def test_max_threads_setting(monkeypatch):
     """Unset or "auto": 0 (the launcher's block shape); 32..512 pass through; anything else names the variable."""
     from adaptiveload.ops.adaln_modulate import _max_threads
