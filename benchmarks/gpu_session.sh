@@ -6,7 +6,7 @@
 #   tests      pytest -m cuda tests/ops (TESTS_K: a pytest -k expression for a subset) on GPU 1, in the
 #              background while the benchmark runs (first, on GPU 0, where there is one GPU)
 #   sanitize   benchmarks/sanitize.sh after the tests, on the same GPU
-#   sweep, ring, store, tail, wide, host: benchmarks/kernel_stages.py <stage> on GPU 0 -> $OUT/<stage>.log
+#   sweep, ring, tail, store, wide, host: benchmarks/kernel_stages.py <stage> on GPU 0 -> $OUT/<stage>.log
 #   sweep      op-only timings over thread caps (ADAPTIVELOAD_MAX_THREADS)
 #   bench-quick / bench   benchmarks/bench_adaln.py on GPU 0 (a subset / BENCH_ARGS, default the session
 #              preset); BENCH_AFTER_TESTS=1 starts it only once the tests and the sanitizer are done, so

@@ -82,11 +82,11 @@ def stage_sweep(tt, op, bwd, bw):
             os.environ["ADAPTIVELOAD_MAX_THREADS"] = str(mt)
             y, mean, rstd = op(x, None, None, s, h, EPS, torch.bfloat16)
             f = median_ms(tt, lambda: op(x, None, None, s, h, EPS, torch.bfloat16))
-            os.environ["ADAPTIVELOAD_BWD"] = ""
+            os.environ["ADAPTIVELOAD_BWD"] = "one_pass"
             g1 = median_ms(tt, lambda: bwd(dy, x, None, None, s, h, mean, rstd))
             os.environ["ADAPTIVELOAD_BWD"] = "two_kernel"
             g2 = median_ms(tt, lambda: bwd(dy, x, None, None, s, h, mean, rstd))
-            os.environ["ADAPTIVELOAD_BWD"] = ""
+            os.environ["ADAPTIVELOAD_BWD"] = "one_pass"
             print(f"B={B} N={N} D={D} pt={pt} max_threads={mt}: fwd {f:.3f} ms ({100 * solf / f:.0f}% SoL) "
                   f"bwd {g1:.3f} ({100 * solb / g1:.0f}%) two-kernel {g2:.3f} ({100 * solb / g2:.0f}%)", flush=True)
 

@@ -1,7 +1,8 @@
 // Forward kernel of the fused LayerNorm -> modulate op: one launch reads x once and writes y in
 // the output dtype plus fp32 mean and rstd per row.
 //
-// Grid: B * tiles blocks, one wave (blocks per SM from the occupancy calculator); a block owns
+// Grid: B * tiles blocks, one wave (blocks per SM from the occupancy calculator; more than one only
+// when B exceeds it), then the short blocks below; a block owns
 // rows of one sample, so a per-sample modulation row is read once per block and folded with the
 // LayerNorm affine into two per-column coefficients, kept in shared memory:
 //     y = x_hat * alpha + beta,   alpha = w * (1 + scale),   beta = b * (1 + scale) + shift.
@@ -22,7 +23,9 @@
 // ~26 KB per SM: KERNEL_NOTES.md, v6). With per-token modulation (PT) a slot also holds the row's
 // scale and/or shift rows (mod_rows), counted on the same mbarrier. A slot is refilled right after
 // the first block reduction of its row, when every thread holds the row (and its modulation) in
-// registers. Same arithmetic and rounding either way.
+// registers; with the bulk store of y (a.store == 1, below) it holds the row's y until the copy
+// engine has stored it, and is refilled two rows later (rows fetched a.stages - 2 ahead). Same
+// arithmetic and rounding either way.
 #include <type_traits>
 
 #include "adaln_modulate.cuh"
@@ -317,6 +320,7 @@ constexpr int kBulkStoreStages = 4;
 // (10%), D = 5120 90 / 91–92% against 88 / 89% (5%); D = 3072 89–90 / 92–93% against 90–91 / 93% (5%;
 // 10% gave 86 / 89%).
 constexpr size_t kFwdTailRowBytes = 4 * 1024;
+constexpr int64_t kMaxGridX = 2147483647;  // blocks a 1-D grid may have
 constexpr int kFwdTailPctNarrow = 10, kFwdTailPctWide = 5;
 
 template <typename Tx, typename Tm, typename To>
@@ -342,6 +346,7 @@ void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
     if (a.interleave && pct > 0 && a.tail_rows > 0 && per_block >= 2) {
       a.main_rows = per_block * tiles;
       a.tail_blocks = (a.N - a.main_rows + a.tail_rows - 1) / a.tail_rows;
+      if (a.B * (tiles + a.tail_blocks) > kMaxGridX) a.main_rows = a.N, a.tail_blocks = 0;  // (gridDim.x)
     }
     kernel<<<static_cast<unsigned>(a.B * (tiles + a.tail_blocks)), rs.threads, smem, stream>>>(a, tiles, rpt);
   };

@@ -152,7 +152,8 @@ void run_backward_f16(BwdArgs& a, bool launch, cudaStream_t stream);
 // the occupancy calculator): every block then streams many rows, and the per-block costs (loading
 // the modulation row, writing column partials) are paid once per SM slot rather than per row.
 // Tiles of consecutive rows (`interleaved` false) have rows_per_tile rows each, the last one fewer.
-// Interleaved rows (the forward's t, t + tiles, ...) take every block slot of the wave, so that each
+// Interleaved rows (the forward's t, t + tiles, ...) take B * floor(slots / B) of the wave's block
+// slots (every one when B divides them; B blocks, one a sample, when B exceeds them), so that each
 // SM gets the same number of blocks and, to a row, the same number of rows (tiles of consecutive rows
 // left part of the SMs a block short: 1041 blocks of 63 rows for 1056 slots at N = 65536).
 template <typename Kernel>
@@ -191,7 +192,7 @@ void one_wave(Kernel kernel, int threads, size_t smem, int64_t B, int64_t N, boo
     cache[key] = per_sm;
   }
   const int64_t target = static_cast<int64_t>(num_sms()) * per_sm;
-  tiles = interleaved ? target / B : (target + B - 1) / B;  // (interleaved: never past one wave)
+  tiles = interleaved ? target / B : (target + B - 1) / B;  // (interleaved: one wave while B <= target)
   tiles = tiles < 1 ? 1 : (tiles > N ? N : tiles);
   rows_per_tile = (N + tiles - 1) / tiles;
   if (!interleaved) tiles = (N + rows_per_tile - 1) / rows_per_tile;  // no empty tiles

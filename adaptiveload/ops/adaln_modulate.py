@@ -326,7 +326,7 @@ def _max_threads() -> int:
     value = os.environ.get("ADAPTIVELOAD_MAX_THREADS", "auto").strip().lower()
     if value == "auto":
         return 0
-    if value.isdigit() and 32 <= int(value) <= 512:
+    if value.isdecimal() and 32 <= int(value) <= 512:
         return int(value)
     raise ValueError(f"ADAPTIVELOAD_MAX_THREADS={value!r}: expected 'auto' or 32..512")
 
@@ -345,7 +345,7 @@ def _ring_stages(name: str) -> int:
     value = os.environ.get(name, "auto").strip().lower()
     if value == "auto":
         return -1
-    if value.isdigit() and (int(value) == 0 or 2 <= int(value) <= 8):
+    if value.isdecimal() and (int(value) == 0 or 2 <= int(value) <= 8):
         return int(value)
     raise ValueError(f"{name}={value!r}: expected 'auto', 0 or 2..8")
 
@@ -386,8 +386,8 @@ def _fwd_store() -> int:
 
 def _fwd_tail() -> tuple:
     """``ADAPTIVELOAD_FWD_TAIL``: "auto" (the launcher's share), "0" (none) or "P" / "P/R": P percent
-    of each sample's rows left to short blocks of R (default 8) consecutive rows, launched after the
-    interleaved wave. A tuning knob for benchmarks; y is bit for bit the same.
+    (0..50) of each sample's rows left to short blocks of R (1..65536, default 8) consecutive rows,
+    launched after the interleaved wave. A tuning knob for benchmarks; y is bit for bit the same.
 
     Raises:
         ValueError: anything else.
@@ -397,15 +397,23 @@ def _fwd_tail() -> tuple:
         return -1, 8
     pct, slash, rows = value.partition("/")
     rows = rows if slash else "8"
-    if pct.isdigit() and int(pct) <= 50 and rows.isdigit() and int(rows) >= 1:
+    if pct.isdecimal() and int(pct) <= 50 and rows.isdecimal() and 1 <= int(rows) <= 65536:
         return int(pct), int(rows)
-    raise ValueError(f"ADAPTIVELOAD_FWD_TAIL={value!r}: expected 'auto', 'P' or 'P/R' (P 0..50, R >= 1)")
+    raise ValueError(f"ADAPTIVELOAD_FWD_TAIL={value!r}: expected 'auto', 'P' or 'P/R' (P 0..50, R 1..65536)")
 
 
 def _two_kernel_backward() -> bool:
-    """``ADAPTIVELOAD_BWD=two_kernel`` selects the reference design of the backward (a dx kernel and a
-    column kernel re-reading x and dy) instead of the one-pass kernel; for benchmarks."""
-    return os.environ.get("ADAPTIVELOAD_BWD", "") == "two_kernel"
+    """``ADAPTIVELOAD_BWD``: the backward's design ("one_pass", the default: one pass over (dy, x)
+    with the column partials kept per tile; "two_kernel": the reference design, a dx kernel and a
+    column kernel re-reading x and dy). A knob for benchmarks; the gradients agree to fp32 rounding.
+
+    Raises:
+        ValueError: a value other than "one_pass" or "two_kernel".
+    """
+    value = os.environ.get("ADAPTIVELOAD_BWD", "one_pass").strip().lower()
+    if value not in ("one_pass", "two_kernel"):
+        raise ValueError(f"ADAPTIVELOAD_BWD={value!r}: expected 'one_pass' or 'two_kernel'")
+    return value == "two_kernel"
 
 
 def _kernel_module(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], scale: Tensor,
@@ -424,22 +432,23 @@ def _kernel_module(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
 
 def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
     _validate(check_inputs, (x, weight, bias, scale, shift), out_dtype, eps)
+    # the settings are read on every CUDA call, so that a bad value raises also where the reference runs
+    settings = (_max_threads(), _ring_stages("ADAPTIVELOAD_FWD_STAGES"), _fwd_interleave(), _fwd_store(),
+                *_fwd_tail())
     ops = _kernel_module(x, weight, bias, scale, shift)
     if ops is None:
         return reference.forward(x, weight, bias, scale, shift, eps, out_dtype)
-    return ops.forward(x, weight, bias, scale, shift, float(eps), out_dtype, _max_threads(),
-                       _ring_stages("ADAPTIVELOAD_FWD_STAGES"), _fwd_interleave(),
-                       _fwd_store(), *_fwd_tail())
+    return ops.forward(x, weight, bias, scale, shift, float(eps), out_dtype, *settings)
 
 
 def _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd):
     _validate(check_backward_inputs, (dy, x, weight, bias, scale, shift, mean, rstd))
+    settings = (_two_kernel_backward(), _max_threads(), _ring_stages("ADAPTIVELOAD_BWD_STAGES"))  # (as the forward's)
     ops = _kernel_module(x, weight, bias, scale, shift, mean)
     if ops is None or dy.dtype == torch.float64:
         grads = reference.backward(dy, x, weight, bias, scale, shift, mean, rstd)
         return tuple(_or_empty(g, x) for g in grads)
-    return ops.backward(dy, x, weight, bias, scale, shift, mean, rstd, _two_kernel_backward(), _max_threads(),
-                        _ring_stages("ADAPTIVELOAD_BWD_STAGES"))
+    return ops.backward(dy, x, weight, bias, scale, shift, mean, rstd, *settings)
 
 
 _lib.impl("adaln_modulate", _adaln_modulate_cuda, "CUDA")

@@ -404,10 +404,26 @@ def test_fwd_tail_setting(monkeypatch):
     for value, expected in [("auto", (-1, 8)), ("0", (0, 8)), (" 10 ", (10, 8)), ("5/16", (5, 16)), ("50/1", (50, 1))]:
         monkeypatch.setenv("ADAPTIVELOAD_FWD_TAIL", value)
         assert _fwd_tail() == expected, value
-    for bad in ("51", "10/0", "-5", "10/", "/8", "ten", ""):
+    for bad in ("51", "10/0", "10/65537", "10/3000000000", "-5", "10/", "/8", "ten", ""):
         monkeypatch.setenv("ADAPTIVELOAD_FWD_TAIL", bad)
         with pytest.raises(ValueError, match="ADAPTIVELOAD_FWD_TAIL"):
             _fwd_tail()
+
+
+def test_bwd_design_setting(monkeypatch):
+    """Unset or "one_pass": the one-pass backward; "two_kernel": the reference design; anything else
+    (a near miss included) names the variable."""
+    from adaptiveload.ops.adaln_modulate import _two_kernel_backward
+
+    monkeypatch.delenv("ADAPTIVELOAD_BWD", raising=False)
+    assert _two_kernel_backward() is False
+    for value, expected in [("one_pass", False), ("two_kernel", True), (" TWO_KERNEL ", True)]:
+        monkeypatch.setenv("ADAPTIVELOAD_BWD", value)
+        assert _two_kernel_backward() is expected, value
+    for bad in ("two-kernel", "bogus", ""):
+        monkeypatch.setenv("ADAPTIVELOAD_BWD", bad)
+        with pytest.raises(ValueError, match="ADAPTIVELOAD_BWD"):
+            _two_kernel_backward()
 
 
 def test_max_threads_setting(monkeypatch):
