@@ -82,26 +82,12 @@ if want tests || want sanitize; then
 fi
 
 export CUDA_VISIBLE_DEVICES=0
-if want sweep; then
-  python3 benchmarks/kernel_stages.py sweep >"$OUT/sweep.log" 2>&1
-  echo "sweep: exit $?"; cat "$OUT/sweep.log"
-fi
-if want ring; then
-  python3 benchmarks/kernel_stages.py ring >"$OUT/ring.log" 2>&1
-  echo "ring: exit $?"; cat "$OUT/ring.log"
-fi
-if want tail; then
-  python3 benchmarks/kernel_stages.py tail >"$OUT/tail.log" 2>&1
-  echo "tail: exit $?"; cat "$OUT/tail.log"
-fi
-if want store; then
-  python3 benchmarks/kernel_stages.py store >"$OUT/store.log" 2>&1
-  echo "store: exit $?"; cat "$OUT/store.log"
-fi
-if want wide; then
-  python3 benchmarks/kernel_stages.py wide >"$OUT/wide.log" 2>&1
-  echo "wide: exit $?"; cat "$OUT/wide.log"
-fi
+for stage in sweep ring tail store wide; do  # kernel_stages.py's timing stages, in this order
+  if want "$stage"; then
+    python3 benchmarks/kernel_stages.py "$stage" >"$OUT/$stage.log" 2>&1
+    echo "$stage: exit $?"; cat "$OUT/$stage.log"
+  fi
+done
 if want ab; then
   wait "$base_build"; tail -2 "$OUT/build_base.log"
   for round in 1 2 3; do

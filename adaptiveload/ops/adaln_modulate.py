@@ -315,6 +315,19 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_FEATURES = 16384  # widest row the kernels take (csrc/adaln_modulate.cuh: kMaxFeatures)
 
 
+def _setting(name: str, default: str, choices: Optional[tuple[str, ...]] = None) -> str:
+    """Environment variable ``name``, stripped and lower-cased (``default`` when unset).
+
+    Raises:
+        ValueError: ``choices`` given and the value is not one of them (the message names the variable).
+    """
+    value = os.environ.get(name, default).strip().lower()
+    if choices is not None and value not in choices:
+        listed = ", ".join(repr(c) for c in choices[:-1])
+        raise ValueError(f"{name}={value!r}: expected {listed} or {choices[-1]!r}")
+    return value
+
+
 def _max_threads() -> int:
     """``ADAPTIVELOAD_MAX_THREADS``: threads-per-block cap of the kernels' row blocks, a tuning knob
     for benchmarks ("auto", the default: the launcher's choice, 0; 32-512: that cap, fewer threads
@@ -323,7 +336,7 @@ def _max_threads() -> int:
     Raises:
         ValueError: a value other than "auto" or an integer 32..512.
     """
-    value = os.environ.get("ADAPTIVELOAD_MAX_THREADS", "auto").strip().lower()
+    value = _setting("ADAPTIVELOAD_MAX_THREADS", "auto")
     if value == "auto":
         return 0
     if value.isdecimal() and 32 <= int(value) <= 512:
@@ -342,7 +355,7 @@ def _ring_stages(name: str) -> int:
     Raises:
         ValueError: a value other than "auto" or an integer 0, 2..8.
     """
-    value = os.environ.get(name, "auto").strip().lower()
+    value = _setting(name, "auto")
     if value == "auto":
         return -1
     if value.isdecimal() and (int(value) == 0 or 2 <= int(value) <= 8):
@@ -359,10 +372,7 @@ def _fwd_interleave() -> bool:
     Raises:
         ValueError: a value other than "tile" or "interleave".
     """
-    value = os.environ.get("ADAPTIVELOAD_FWD_ROW_ORDER", "interleave").strip().lower()
-    if value not in ("tile", "interleave"):
-        raise ValueError(f"ADAPTIVELOAD_FWD_ROW_ORDER={value!r}: expected 'tile' or 'interleave'")
-    return value == "interleave"
+    return _setting("ADAPTIVELOAD_FWD_ROW_ORDER", "interleave", ("tile", "interleave")) == "interleave"
 
 
 _FWD_STORES = {"auto": -1, "threads": 0, "bulk": 1}
@@ -378,10 +388,7 @@ def _fwd_store() -> int:
     Raises:
         ValueError: a value other than "auto", "threads" or "bulk".
     """
-    value = os.environ.get("ADAPTIVELOAD_FWD_STORE", "auto").strip().lower()
-    if value not in _FWD_STORES:
-        raise ValueError(f"ADAPTIVELOAD_FWD_STORE={value!r}: expected 'auto', 'threads' or 'bulk'")
-    return _FWD_STORES[value]
+    return _FWD_STORES[_setting("ADAPTIVELOAD_FWD_STORE", "auto", tuple(_FWD_STORES))]
 
 
 def _fwd_tail() -> tuple:
@@ -392,7 +399,7 @@ def _fwd_tail() -> tuple:
     Raises:
         ValueError: anything else.
     """
-    value = os.environ.get("ADAPTIVELOAD_FWD_TAIL", "auto").strip().lower()
+    value = _setting("ADAPTIVELOAD_FWD_TAIL", "auto")
     if value == "auto":
         return -1, 8
     pct, slash, rows = value.partition("/")
@@ -410,10 +417,7 @@ def _two_kernel_backward() -> bool:
     Raises:
         ValueError: a value other than "one_pass" or "two_kernel".
     """
-    value = os.environ.get("ADAPTIVELOAD_BWD", "one_pass").strip().lower()
-    if value not in ("one_pass", "two_kernel"):
-        raise ValueError(f"ADAPTIVELOAD_BWD={value!r}: expected 'one_pass' or 'two_kernel'")
-    return value == "two_kernel"
+    return _setting("ADAPTIVELOAD_BWD", "one_pass", ("one_pass", "two_kernel")) == "two_kernel"
 
 
 def _kernel_module(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], scale: Tensor,
