@@ -307,8 +307,11 @@ _lib.impl("adaln_modulate_backward", _autograd_kernel(_BACKWARD, _AdaLNModulateB
 # CUDA implementation: the csrc/ kernels (built on first use by ``extension``), else the reference.
 # The extension's ``forward`` / ``backward`` take the op's own arguments and do the per-call layout
 # work in C++ (x as a contiguous [B, N, D]; each modulation as a [B or 1, N or 1, D] view with unit
-# stride along D, its batch and token strides passed, so a .chunk() view is not copied; dtype casts;
-# output views), which costs far less host time per launch than the same tensor calls from Python.
+# stride along D, its batch and token strides passed, so a .chunk() view is not copied; dy made
+# contiguous like x, whatever layout autograd hands it; dtype casts; output views), which costs far
+# less host time per launch than the same tensor calls from Python. Every output is a fresh
+# contiguous tensor, on the kernel path and the reference path alike: the layout the fake kernels
+# promise, which compiled graphs assert.
 # float64 inputs and rows wider than the kernels' limit use the reference.
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -26,6 +26,15 @@ def compute_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
     return torch.float32
 
 
+def _output(t: Tensor, dtype: torch.dtype, copy: bool = False) -> Tensor:
+    """``t`` in ``dtype`` and contiguous, the layout the fake kernels promise for every output (a
+    gradient arriving transposed would otherwise lay out dx like it), in at most one copy; a copy
+    also when ``copy`` (an op output must not alias an input)."""
+    if t.is_contiguous() and not copy:
+        return t.to(dtype)
+    return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format).copy_(t)
+
+
 def _normalize(x: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     xf = x.to(dtype)
     mean = xf.mean(dim=-1, keepdim=True)
@@ -59,7 +68,7 @@ def forward(
     y = _affine(x_hat, weight, bias) * (1 + scale.to(ct))
     if shift is not None:
         y = y + shift.to(ct)
-    return y.to(out_dtype).contiguous(), mean.contiguous(), rstd.contiguous()
+    return _output(y, out_dtype), mean.contiguous(), rstd.contiguous()
 
 
 def backward(
@@ -74,17 +83,18 @@ def backward(
 ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor, Optional[Tensor]]:
     """Reference backward from the saved per-row ``mean``/``rstd``.
 
-    Returns ``(dx, dweight, dbias, dscale, dshift)``, each in its input's own shape and dtype
-    (modulation gradients summed over the dims where the modulation broadcasts); the gradient of
-    an absent input is None.
+    Returns ``(dx, dweight, dbias, dscale, dshift)``, each in its input's own shape and dtype and
+    contiguous, whatever the strides of ``dy``, ``x`` or the modulation (the fake kernel promises
+    contiguous gradients, and compiled graphs rely on it); modulation gradients are summed over the
+    dims where the modulation broadcasts; the gradient of an absent input is None.
     """
     ct = compute_dtype(x, weight, bias, scale, shift)
     x_hat = (x.to(ct) - mean.to(ct).unsqueeze(-1)) * rstd.to(ct).unsqueeze(-1)
     dyf = dy.to(ct)
     n = _affine(x_hat, weight, bias)
     # copy=True: for per-token shift the sum is dy itself, and an op output must not alias an input
-    dshift = None if shift is None else dyf.sum_to_size(shift.shape).to(shift.dtype, copy=True)
-    dscale = (dyf * n).sum_to_size(scale.shape).to(scale.dtype)
+    dshift = None if shift is None else _output(dyf.sum_to_size(shift.shape), shift.dtype, copy=True)
+    dscale = _output((dyf * n).sum_to_size(scale.shape), scale.dtype)
     dn = dyf * (1 + scale.to(ct))
     row_dims = tuple(range(x.dim() - 1))
     dweight = None if weight is None else (dn * x_hat).sum(dim=row_dims).to(weight.dtype)
@@ -93,4 +103,4 @@ def backward(
     dx = rstd.to(ct).unsqueeze(-1) * (
         g - g.mean(dim=-1, keepdim=True) - x_hat * (g * x_hat).mean(dim=-1, keepdim=True)
     )
-    return dx.to(x.dtype), dweight, dbias, dscale, dshift
+    return _output(dx, x.dtype), dweight, dbias, dscale, dshift

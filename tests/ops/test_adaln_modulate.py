@@ -1,7 +1,9 @@
 """Tests of ``torch.ops.adaptiveload.adaln_modulate``: values and gradients against a float64 eager
-reference over shapes, dtypes and modulation layouts (CPU reference path, and the CUDA kernels on a
-GPU), registration checks (opcheck, gradcheck), accuracy against the eager chain, bad inputs,
-aliasing, determinism, >2^31-element tensors, and training through the compile backend."""
+reference over shapes, dtypes, modulation layouts and layouts of the incoming gradient (CPU reference
+path, and the CUDA kernels on a GPU), registration checks (opcheck of both ops, dy non-contiguous
+included; gradcheck; a compiled backward under Inductor's stride assertions), accuracy against the
+eager chain, bad inputs, aliasing, determinism, >2^31-element tensors, and training through the
+compile backend."""
 from __future__ import annotations
 
 import math
@@ -47,6 +49,25 @@ def make_mod(layout: str, x_shape, dtype, device, gen) -> torch.Tensor:
     raise AssertionError(layout)
 
 
+GRAD_LAYOUTS = ("contiguous", "feature-major", "strided", "expanded")
+
+
+def lay_out_grad(layout: str, g: torch.Tensor) -> torch.Tensor:
+    """``g`` [B, ..., D] in one of GRAD_LAYOUTS, the layouts autograd hands the op's backward:
+    contiguous; feature-major (D outermost: the gradient of ``matmul(y.transpose(1, 2), W)``);
+    strided (every other element of a wider tensor); expanded (stride 0 along the second-last dim,
+    as ``y.sum()`` gives; this one keeps only the first row of that dim)."""
+    if layout == "contiguous":
+        return g
+    if layout == "feature-major":
+        return g.movedim(-1, 0).contiguous().movedim(0, -1)
+    if layout == "strided":
+        return torch.stack([g, torch.zeros_like(g)], dim=-1)[..., 0]
+    if layout == "expanded":
+        return g.narrow(-2, 0, 1).expand(g.shape)
+    raise AssertionError(layout)
+
+
 def eager_chain(x, weight, bias, scale, shift, out_dtype=None):
     """``F.layer_norm(x, ...) * (1 + scale) + shift`` exactly as a user writes it (in x's dtype)."""
     y = F.layer_norm(x, (x.shape[-1],), weight, bias, EPS) * (1 + scale)
@@ -78,9 +99,11 @@ def assert_rel(out, ref, tol, what):
         )
 
 
-def check_against_float64(x_shape, dtype, scale_layout, shift_layout, affine, device, seed, mod_fp32=False):
-    """Run the op forward and backward and compare y and every gradient with float64 autograd of the
-    eager chain on the same (upcast) inputs."""
+def check_against_float64(x_shape, dtype, scale_layout, shift_layout, affine, device, seed, mod_fp32=False,
+                          grad_layout="contiguous"):
+    """Run the op forward and backward (the incoming gradient laid out as ``grad_layout``, one of
+    GRAD_LAYOUTS) and compare y and every gradient with float64 autograd of the eager chain on the
+    same (upcast) inputs."""
     gen = torch.Generator().manual_seed(seed)
     D = x_shape[-1]
     mdt = torch.float32 if mod_fp32 else dtype
@@ -103,7 +126,7 @@ def check_against_float64(x_shape, dtype, scale_layout, shift_layout, affine, de
     y, mean, rstd = torch.ops.adaptiveload.adaln_modulate(
         inputs["x"], inputs.get("weight"), inputs.get("bias"), inputs["scale"], inputs.get("shift"), EPS, out_dtype
     )
-    dy = torch.randn(*x_shape, generator=gen, dtype=torch.float64).to(out_dtype).to(device)
+    dy = lay_out_grad(grad_layout, torch.randn(*x_shape, generator=gen, dtype=torch.float64).to(out_dtype).to(device))
     grads = torch.autograd.grad(y, leaves, dy)
 
     ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
@@ -132,10 +155,12 @@ layouts = st.sampled_from(LAYOUTS)
     scale_layout=layouts,
     shift_layout=st.one_of(st.none(), layouts),
     affine=st.booleans(),
+    grad_layout=st.sampled_from(GRAD_LAYOUTS),
     seed=st.integers(0, 2**16),
 )
-def test_matches_float64_reference_cpu(B, tokens, D, dtype, scale_layout, shift_layout, affine, seed):
-    check_against_float64((B, *tokens, D), dtype, scale_layout, shift_layout, affine, "cpu", seed)
+def test_matches_float64_reference_cpu(B, tokens, D, dtype, scale_layout, shift_layout, affine, grad_layout, seed):
+    check_against_float64((B, *tokens, D), dtype, scale_layout, shift_layout, affine, "cpu", seed,
+                          grad_layout=grad_layout)
 
 
 @pytest.mark.parametrize("D", [1000, 8192])
@@ -150,14 +175,14 @@ def test_two_dim_x_cpu():
 # ---------------------------------------------------------------------------------------------
 # Registration checks
 
-def _opcheck_args(layout, affine, requires_grad=True):
+def _opcheck_args(layout, affine, requires_grad=True, device="cpu", dtype=torch.float32):
     gen = torch.Generator().manual_seed(3)
     x_shape = (2, 5, 8)
-    x = torch.randn(*x_shape, generator=gen)
-    scale = make_mod(layout, x_shape, torch.float32, "cpu", gen)
-    shift = make_mod(layout, x_shape, torch.float32, "cpu", gen)
-    w = torch.randn(8, generator=gen) if affine else None
-    b = torch.randn(8, generator=gen) if affine else None
+    x = torch.randn(*x_shape, generator=gen).to(device, dtype)
+    scale = make_mod(layout, x_shape, dtype, device, gen)
+    shift = make_mod(layout, x_shape, dtype, device, gen)
+    w = torch.randn(8, generator=gen).to(device, dtype) if affine else None
+    b = torch.randn(8, generator=gen).to(device, dtype) if affine else None
     if requires_grad:
         for t in (x, scale, shift, w, b):
             if t is not None:
@@ -174,6 +199,66 @@ def test_opcheck(layout, affine):
         (x, w, b, scale, shift, EPS, torch.float32),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
+
+
+# (device, dtype) of the backward stride tests: the CPU reference; on a GPU the kernels (float32) and
+# the reference on CUDA (float64)
+BACKWARD_PLACES = [pytest.param("cpu", torch.float32, id="cpu"),
+                   pytest.param("cuda", torch.float32, marks=pytest.mark.cuda, id="cuda-kernels"),
+                   pytest.param("cuda", torch.float64, marks=pytest.mark.cuda, id="cuda-reference")]
+
+
+@pytest.mark.parametrize("device, dtype", BACKWARD_PLACES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("grad_layout", GRAD_LAYOUTS[1:])
+def test_opcheck_backward_with_noncontiguous_dy(device, dtype, layout, grad_layout):
+    """The backward op's outputs have the strides its fake kernel promises (contiguous) whatever the
+    layout of dy: compiled backward graphs assert them."""
+    x, w, b, scale, shift = _opcheck_args(layout, True, requires_grad=False, device=device, dtype=dtype)
+    _, mean, rstd = torch.ops.adaptiveload.adaln_modulate(x, w, b, scale, shift, EPS, dtype)
+    dy = lay_out_grad(grad_layout, torch.randn(x.shape, generator=torch.Generator().manual_seed(6)).to(device, dtype))
+    assert not dy.is_contiguous()
+    args = (dy, x, w, b, scale, shift, mean, rstd)
+    torch.library.opcheck(torch.ops.adaptiveload.adaln_modulate_backward.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    for name, g in zip(("dx", "dweight", "dbias", "dscale", "dshift"),
+                       torch.ops.adaptiveload.adaln_modulate_backward(*args)):
+        assert g.is_contiguous(), f"{name}: strides {g.stride()} for shape {list(g.shape)}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device, dtype", BACKWARD_PLACES)
+def test_compiled_backward_of_a_transposed_output(device, dtype):
+    """torch.compile(backend="adaptiveload", Inductor) of LayerNorm->modulate feeding
+    ``matmul(y.transpose(1, 2), W)``: the gradient reaches the fused op's backward feature-major,
+    and Inductor asserts the strides the fake kernel promised on the real outputs. The loss and
+    every gradient against float64 eager autograd."""
+    gen = torch.Generator().manual_seed(15)
+    B, N, D = 2, 4, 6
+
+    def f(x, w, b, scale, shift, proj):
+        y = F.layer_norm(x, (D,), w, b, EPS) * (1 + scale) + shift
+        return torch.matmul(y.transpose(1, 2), proj)
+
+    values = [torch.randn(*shape, generator=gen, dtype=torch.float64)
+              for shape in ((B, N, D), (D,), (D,), (B, 1, D), (B, N, D), (N, 3))]
+    inputs = [v.to(device, dtype).requires_grad_(True) for v in values]
+    ref_inputs = [v.to(device).requires_grad_(True) for v in values]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        compiled = torch.compile(f, backend="adaptiveload", options={"inner": "inductor"}, fullgraph=True)
+        loss = compiled(*inputs).square().sum()
+        grads = torch.autograd.grad(loss, inputs)
+        assert torch._dynamo.utils.counters["adaptiveload"]["fused"] == 1
+    finally:
+        torch._dynamo.reset()
+    ref_loss = f(*ref_inputs).square().sum()
+    ref_grads = torch.autograd.grad(ref_loss, ref_inputs)
+    tol = TOL[dtype]
+    assert_rel(loss, ref_loss, tol, "loss")
+    for name, g, r in zip(("dx", "dweight", "dbias", "dscale", "dshift", "dproj"), grads, ref_grads):
+        assert_rel(g, r, 2 * tol, name)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -214,16 +299,23 @@ def test_fused_at_least_as_accurate_as_eager(dtype, layout):
     assert rel_err(fused, ref) <= rel_err(eager, ref)
 
 
-def test_batch1_leaf_modulation_grads_keep_their_shape():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_batch1_leaf_modulation_grads_keep_their_shape_and_values(device):
+    """x of batch 1 with leaf scale/shift of shape [1, 1, D] (per-sample and shared at once): y and
+    the gradients of x, scale and shift (in [1, 1, D], not x's shape) equal float64 eager autograd."""
     D = 16
-    x = torch.randn(1, 7, D, requires_grad=True)
-    scale = torch.randn(1, 1, D, requires_grad=True)
-    shift = torch.randn(1, 1, D, requires_grad=True)
-    y = torch.ops.adaptiveload.adaln_modulate(x, None, None, scale, shift, EPS, torch.float32)[0]
-    y.square().sum().backward()
-    assert scale.grad.shape == (1, 1, D) and shift.grad.shape == (1, 1, D) and x.grad.shape == x.shape
-    ref = eager_chain(x.detach().double(), None, None, scale.detach().double().requires_grad_(True), None)
-    assert ref.shape == y.shape
+    gen = torch.Generator().manual_seed(16)
+    values = [torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((1, 7, D), (1, 1, D), (1, 1, D))]
+    leaves = [v.float().to(device).requires_grad_(True) for v in values]
+    ref_leaves = [v.to(device).requires_grad_(True) for v in values]
+    dy = torch.randn(1, 7, D, generator=gen).to(device)
+    y = torch.ops.adaptiveload.adaln_modulate(leaves[0], None, None, leaves[1], leaves[2], EPS, torch.float32)[0]
+    grads = torch.autograd.grad(y, leaves, dy)
+    y_ref = eager_chain(ref_leaves[0], None, None, ref_leaves[1], ref_leaves[2])
+    ref_grads = torch.autograd.grad(y_ref, ref_leaves, dy.double())
+    assert_rel(y, y_ref, TOL[torch.float32], "y")
+    for name, g, r in zip(("dx", "dscale", "dshift"), grads, ref_grads):
+        assert_rel(g, r, 2 * TOL[torch.float32], name)  # shape first: [1, 7, D], [1, 1, D], [1, 1, D]
 
 
 def _storages(*tensors):
@@ -483,13 +575,14 @@ def test_modulation_rows_view_strided_chunks_without_copy(kernels):
     shift_layout=st.one_of(st.none(), layouts),
     affine=st.booleans(),
     mod_fp32=st.booleans(),
+    grad_layout=st.sampled_from(GRAD_LAYOUTS),
     seed=st.integers(0, 2**16),
 )
 def test_kernels_match_float64_reference(kernels, B, tokens, D, dtype, scale_layout, shift_layout, affine,
-                                         mod_fp32, seed):
+                                         mod_fp32, grad_layout, seed):
     assume(B * math.prod(tokens) * D <= 2**25)  # the float64 autograd reference stays a few GB
     check_against_float64((B, *tokens, D), dtype, scale_layout, shift_layout, affine, "cuda", seed,
-                          mod_fp32=mod_fp32)
+                          mod_fp32=mod_fp32, grad_layout=grad_layout)
 
 
 @pytest.mark.cuda
@@ -849,6 +942,7 @@ def _compare_training(build, inputs):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 def test_project_wan_trains_with_kernels_and_matches_eager(kernels):
     from adaptiveload.models import build_model, make_inputs
 
@@ -857,6 +951,7 @@ def test_project_wan_trains_with_kernels_and_matches_eager(kernels):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 def test_diffusers_wan_trains_with_kernels_and_matches_eager(kernels):
     diffusers = pytest.importorskip("diffusers")
 

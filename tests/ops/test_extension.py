@@ -109,6 +109,7 @@ def test_build_removes_a_stale_baton_under_the_lock(fresh, monkeypatch, tmp_path
     assert calls["sources"] == sorted(p.name for p in extension.source_dir().glob("*.cu"))
 
 
+@pytest.mark.slow  # two Python subprocesses that import torch
 def test_file_lock_is_released_when_its_holder_is_killed(tmp_path):
     lock = tmp_path / "adaptiveload.lock"
     hold = (
