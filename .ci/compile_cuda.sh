@@ -1,15 +1,32 @@
 #!/usr/bin/env bash
-# CI step: compile every csrc/*.cu for sm_90 against the installed torch's headers, so a kernel that
-# does not compile fails CI even on a machine without a GPU. The CPU torch wheel lacks the generated
-# CUDA macros header, hence -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE. Prints a line and skips (exit 0)
-# where nvcc is absent; exits non-zero on the first compile error.
-# Usage: .ci/compile_cuda.sh [python]   (default: python3; set NVCC_VERBOSE=1 for ptxas resource usage)
+# CI step: compile every .cu file of the kernel sources (csrc/ and its subfolders) for sm_90 against
+# the installed torch's headers, so a kernel that does not compile fails CI even on a machine without
+# a GPU. The CPU torch wheel lacks the generated CUDA macros header, hence
+# -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE. Prints a line and skips (exit 0) where nvcc is absent; exits
+# non-zero when a file does not compile (after all have been tried), printing its log.
+# Usage: .ci/compile_cuda.sh [python [source-dir [file.cu ...]]]
+#   python      whose torch headers to compile against (default: python3)
+#   source-dir  the kernel sources, also the include path (default: csrc of this checkout; an
+#               installed package's adaptiveload/_csrc works too)
+#   file.cu     only these, relative to source-dir (default: every .cu under it, hidden folders left out)
+# Set NVCC_VERBOSE=1 for ptxas resource usage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-python3}
+SRC=${2:-csrc}
+shift $(($# < 2 ? $# : 2))
 if ! command -v nvcc >/dev/null 2>&1; then
   echo "compile_cuda: nvcc not found, skipping the CUDA compile check"
   exit 0
+fi
+if (($# > 0)); then
+  FILES=("$@")
+else
+  mapfile -t FILES < <(cd "$SRC" && find . -name '*.cu' -not -path '*/.*' | sed 's|^\./||' | sort)
+fi
+if ((${#FILES[@]} == 0)); then
+  echo "compile_cuda: no .cu files in $SRC" >&2
+  exit 1
 fi
 INC=$("$PY" -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))")
 PYINC=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
@@ -20,13 +37,14 @@ EXTRA=()
 if [[ "${NVCC_VERBOSE:-0}" == 1 ]]; then EXTRA+=(-Xptxas -v); fi
 status=0
 pids=()
-for f in csrc/*.cu; do
+for f in "${FILES[@]}"; do
+  obj="$OUTDIR/${f//\//__}"  # a/b.cu -> a__b.cu: files of one name in two subfolders do not collide
   (
-    nvcc -std=c++17 -arch=sm_90 -O3 -c "$f" -o "$OUTDIR/$(basename "$f").o" \
-      $INC -I"$PYINC" -Icsrc -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -D_GLIBCXX_USE_CXX11_ABI="$ABI" \
+    nvcc -std=c++17 -arch=sm_90 -O3 -c "$SRC/$f" -o "$obj.o" \
+      $INC -I"$PYINC" -I"$SRC" -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -D_GLIBCXX_USE_CXX11_ABI="$ABI" \
       -DTORCH_EXTENSION_NAME=adaln_check --expt-relaxed-constexpr "${EXTRA[@]}" \
-      >"$OUTDIR/$(basename "$f").log" 2>&1 && echo "compile_cuda: ok   $f" || { echo "compile_cuda: FAIL $f"; cat "$OUTDIR/$(basename "$f").log"; exit 1; }
-    if [[ "${NVCC_VERBOSE:-0}" == 1 ]]; then cat "$OUTDIR/$(basename "$f").log"; fi
+      >"$obj.log" 2>&1 && echo "compile_cuda: ok   $SRC/$f" || { echo "compile_cuda: FAIL $SRC/$f"; cat "$obj.log"; exit 1; }
+    if [[ "${NVCC_VERBOSE:-0}" == 1 ]]; then cat "$obj.log"; fi
   ) &
   pids+=($!)
 done

@@ -1,7 +1,10 @@
 """Build, cache and load the CUDA kernels in ``csrc/`` (JIT, on first CUDA use).
 
-The sources are compiled with :func:`torch.utils.cpp_extension.load` (ninja) into a cache folder
-keyed by torch version, CUDA version, GPU architecture and a hash of the sources:
+The sources ship with the package (``adaptiveload/_csrc`` in a wheel, see :func:`source_dir`); nothing
+is compiled at install time. Every ``.cu`` file under the source folder, subfolders included, is
+compiled with :func:`torch.utils.cpp_extension.load` (ninja), the folder itself on the include path,
+into a cache folder keyed by torch version, CUDA version, GPU architecture and a hash of every
+source file (paths and contents):
 
     $ADAPTIVELOAD_CACHE (default ~/.cache/adaptiveload) / torch<ver>-cu<ver>-sm<arch>-<hash>/
 
@@ -33,7 +36,6 @@ import torch
 logger = logging.getLogger("adaptiveload.ops")
 
 _MODULE_NAME = "adaptiveload_adaln_kernels"
-_SOURCE_SUFFIXES = (".cu", ".cuh", ".cpp", ".h")
 # -O3 for the device code; the kernels use constexpr helpers from host and device code
 _NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-std=c++17", "-lineinfo"]
 
@@ -43,23 +45,43 @@ _failure: Optional[str] = None  # cause of a failed build, remembered so it is t
 
 
 def source_dir() -> Path:
-    """Folder holding the kernel sources.
+    """Folder holding the kernel sources: ``.cu`` files and their headers, in it or its subfolders.
 
-    In a wheel they ship as the package ``adaptiveload/_csrc``; in a source checkout or an
-    editable install they are ``<repo>/csrc``.
+    In an installed wheel they ship inside the package as ``adaptiveload/_csrc``; in a source
+    checkout or an editable install they are ``<repo>/csrc``.
 
     Raises:
-        FileNotFoundError: neither folder holds a ``.cu`` file.
+        FileNotFoundError: neither folder holds a ``.cu`` file at any depth.
     """
     here = Path(__file__).resolve().parent.parent  # .../adaptiveload
     for candidate in (here / "_csrc", here.parent / "csrc"):
-        if any(candidate.glob("*.cu")):
+        if any(candidate.rglob("*.cu")):
             return candidate
-    raise FileNotFoundError(f"no CUDA sources in {here / '_csrc'} or {here.parent / 'csrc'}")
+    raise FileNotFoundError(f"no CUDA sources in {here / '_csrc'} or {here.parent / 'csrc'} (nor their subfolders)")
 
 
-def _sources(src: Path) -> list[Path]:
-    return sorted(p for p in src.iterdir() if p.suffix in _SOURCE_SUFFIXES)
+def source_files(src: Path) -> list[Path]:
+    """Every file under the source folder ``src`` (subfolders included, hidden files and folders
+    left out), sorted by path: what the wheel ships and what the cache key hashes."""
+    return sorted(p for p in src.rglob("*")
+                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(src).parts))
+
+
+def cuda_sources(src: Path) -> list[Path]:
+    """The ``.cu`` files under ``src`` (subfolders included): the translation units of the build.
+
+    Raises:
+        RuntimeError: two of them share a file name (their objects would overwrite each other in
+            the build folder); the message names both.
+    """
+    units = [p for p in source_files(src) if p.suffix == ".cu"]
+    seen: dict[str, Path] = {}
+    for path in units:
+        if path.name in seen:
+            raise RuntimeError(f"kernel sources {seen[path.name].relative_to(src)} and {path.relative_to(src)} "
+                               f"share the file name {path.name!r}; the build needs unique names")
+        seen[path.name] = path
+    return units
 
 
 def arch_list() -> str:
@@ -82,9 +104,10 @@ def cache_dir() -> Path:
     """The build folder for this torch, CUDA, architecture and source tree (see the module doc)."""
     base = Path(os.environ.get("ADAPTIVELOAD_CACHE") or Path.home() / ".cache" / "adaptiveload")
     digest = hashlib.sha256()
-    for path in _sources(source_dir()):
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
+    src = source_dir()
+    for path in source_files(src):
+        for part in (path.relative_to(src).as_posix().encode(), path.read_bytes()):
+            digest.update(len(part).to_bytes(8, "little") + part)
     arch = "".join(c if c.isalnum() else "_" for c in arch_list().replace(".", ""))
     key = f"torch{torch.__version__}-cu{torch.version.cuda}-sm{arch}-{digest.hexdigest()[:12]}"
     return base / key.replace("+", "_")
@@ -109,6 +132,7 @@ def _build(verbose: bool = False) -> ModuleType:
     if cpp_extension.CUDA_HOME is None:
         raise RuntimeError("nvcc not found (CUDA_HOME is not set and nvcc is not on PATH)")
     src = source_dir()
+    units = cuda_sources(src)
     out = cache_dir()
     out.mkdir(parents=True, exist_ok=True)
     arch = arch_list()
@@ -123,7 +147,7 @@ def _build(verbose: bool = False) -> ModuleType:
             logger.info("building the adaptiveload CUDA kernels for %s in %s", arch, out)
             return cpp_extension.load(
                 name=_MODULE_NAME,
-                sources=[str(p) for p in _sources(src) if p.suffix == ".cu"],
+                sources=[str(p) for p in units],
                 extra_include_paths=[str(src)],
                 extra_cuda_cflags=_NVCC_FLAGS,
                 build_directory=str(out),
@@ -177,7 +201,8 @@ def build(verbose: bool = False) -> Path:
 
     Raises:
         RuntimeError: no CUDA (torch without CUDA, no device and no ``TORCH_CUDA_ARCH_LIST``,
-            no nvcc) or a compile error (its log is printed when ``verbose``).
+            no nvcc), two kernel sources with one file name, or a compile error (its log is
+            printed when ``verbose``).
     """
     global _module, _failure
     with _lock:

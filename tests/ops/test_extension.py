@@ -1,5 +1,6 @@
-"""Tests of the kernels' JIT build plumbing: source discovery, cache keys, the file lock, the
-one-time fallback warning, ADAPTIVELOAD_REQUIRE_KERNEL, and the no-atomics rule for csrc/."""
+"""Tests of the kernels' JIT build plumbing: source discovery (subfolders included), cache keys, the
+file lock, the one-time fallback warning, ADAPTIVELOAD_REQUIRE_KERNEL, and the no-atomics rule for
+csrc/."""
 from __future__ import annotations
 
 import os
@@ -27,14 +28,54 @@ def fresh(monkeypatch):
 def test_no_atomics_in_csrc():
     """Gradients must be bit-reproducible: no atomicAdd (or any atomic) anywhere in the kernels."""
     src = extension.source_dir()
-    files = sorted(src.iterdir())
+    files = extension.source_files(src)
     assert any(f.suffix == ".cu" for f in files)
-    offenders = [f.name for f in files if re.search(r"\batomic\w*\s*\(", f.read_text())]
+    offenders = [str(f.relative_to(src)) for f in files if re.search(r"\batomic\w*\s*\(", f.read_text())]
     assert offenders == []
 
 
 def test_source_dir_is_the_checkout_csrc():
     assert extension.source_dir() == Path(__file__).resolve().parents[2] / "csrc"
+
+
+def _write(root: Path, files: dict) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_sources_are_found_in_subfolders(tmp_path):
+    """Every file at any depth is a source file (hidden ones aside); every .cu at any depth is compiled."""
+    src = _write(tmp_path, {"top.cu": "", "common.cuh": "", "norm/rms.cu": "", "norm/deep/rows.cuh": "",
+                            "norm/NOTES.md": "", ".cache/stale.cu": "", "norm/.rms.cu.swp": ""})
+    names = [p.relative_to(src).as_posix() for p in extension.source_files(src)]
+    assert names == ["common.cuh", "norm/NOTES.md", "norm/deep/rows.cuh", "norm/rms.cu", "top.cu"]
+    assert [p.relative_to(src).as_posix() for p in extension.cuda_sources(src)] == ["norm/rms.cu", "top.cu"]
+
+
+def test_two_kernel_sources_of_one_name_raise_naming_both(tmp_path):
+    """torch names an object after its source's file name: two rows.cu in two subfolders would collide."""
+    src = _write(tmp_path, {"norm/rows.cu": "", "modulate/rows.cu": ""})
+    with pytest.raises(RuntimeError, match=r"modulate/rows.cu and norm/rows.cu share the file name 'rows.cu'"):
+        extension.cuda_sources(src)
+
+
+def test_cache_key_changes_with_any_source_file_at_any_depth(monkeypatch, tmp_path):
+    src = _write(tmp_path / "src", {"top.cu": "a", "norm/deep/rows.cuh": "b"})
+    monkeypatch.setattr(extension, "source_dir", lambda: src)
+    monkeypatch.setenv("ADAPTIVELOAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    keys = {extension.cache_dir()}
+    _write(src, {"norm/deep/rows.cuh": "c"})  # a header's contents
+    keys.add(extension.cache_dir())
+    (src / "norm" / "deep" / "rows.cuh").rename(src / "norm" / "rows.cuh")  # the same file, moved
+    keys.add(extension.cache_dir())
+    _write(src, {"norm/new.cuh": ""})  # a new file
+    keys.add(extension.cache_dir())
+    assert len(keys) == 4
+    (src / "norm" / "new.cuh").unlink()
+    assert extension.cache_dir() in keys  # the same tree, the same key
 
 
 def test_cache_dir_is_keyed_by_torch_cuda_arch_and_sources(monkeypatch, tmp_path):
@@ -106,7 +147,7 @@ def test_build_removes_a_stale_baton_under_the_lock(fresh, monkeypatch, tmp_path
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     assert extension.build() == out
     assert calls["baton_gone"] and calls["arch"] == "9.0"
-    assert calls["sources"] == sorted(p.name for p in extension.source_dir().glob("*.cu"))
+    assert calls["sources"] == sorted(p.name for p in extension.source_dir().rglob("*.cu"))
 
 
 @pytest.mark.slow  # two Python subprocesses that import torch
