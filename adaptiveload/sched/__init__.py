@@ -16,7 +16,7 @@ Modules, one job each:
 """
 from adaptiveload.sched.batch_size import dual_constraint_batch_size, equal_token_batch_size
 from adaptiveload.sched.calibration import Calibration
-from adaptiveload.sched.cost_model import CostModel, PowerCostModel, QuadraticCostModel, fit_cost_model
+from adaptiveload.sched.cost_model import CostModel, LinearCostModel, PowerCostModel, QuadraticCostModel, fit_cost_model
 from adaptiveload.sched.manifest import Manifest, load_manifest, reference_mix, write_manifest
 from adaptiveload.sched.memory_model import MemoryModel
 from adaptiveload.sched.plan import Plan, make_plan
@@ -24,7 +24,7 @@ from adaptiveload.sched.sampler import DualConstraintBucketSampler, EpochPlan
 from adaptiveload.sched.shapes import latent_shape, sequence_length, tokens_from_latent
 
 __all__ = [
-    "Calibration", "CostModel", "DualConstraintBucketSampler", "EpochPlan", "Manifest", "MemoryModel", "Plan",
+    "Calibration", "CostModel", "DualConstraintBucketSampler", "EpochPlan", "LinearCostModel", "Manifest", "MemoryModel", "Plan",
     "PowerCostModel", "QuadraticCostModel", "dual_constraint_batch_size", "equal_token_batch_size",
     "fit_cost_model", "latent_shape", "load_manifest", "make_plan", "reference_mix", "sequence_length",
     "tokens_from_latent", "write_manifest",

@@ -84,8 +84,12 @@ class Calibration:
     def from_points(cls, points, *, settings: dict, device: str, kind: str = "auto") -> "Calibration":
         """Validate points and fit the cost model (``kind``: see :func:`fit_cost_model`) and the memory model.
 
+        With ``kind="auto"`` noisy step times (measured under load) do not raise: the cost model falls
+        back to the linear one and ``cost_model.warning`` says why in one line (also in :meth:`describe`).
+
         Raises:
-            ValueError: a malformed point (named by index), or too few ``"ok"`` points for the fit.
+            ValueError: a malformed point (named by index), too few ``"ok"`` points for the fit, or
+                (``kind="power"`` / ``"quadratic"`` only) a fit with a zero slope or p at a bound.
         """
         import torch
 
@@ -207,8 +211,12 @@ class Calibration:
         return os.fspath(path)
 
     def describe(self) -> str:
+        """Lines: the points measured, the cost model, ``  warning: ...`` when its fit is poor
+        (:attr:`CostModel.warning`), and the memory model."""
         lines = [f"calibration: {len(self.points)} points on {self.device or '?'} (torch {self.torch_version or '?'}, {self.date or '?'})",
                  f"  cost:   {self.cost_model.describe()}"]
+        if self.cost_model.warning:
+            lines.append(f"  warning: {self.cost_model.warning}")
         if self.memory_model:
             lines.append(f"  memory: {self.memory_model.describe()}")
         return "\n".join(lines)

@@ -1,13 +1,21 @@
 """Step-time models ``t(B, S)`` fitted to measured training steps, and their fit.
 
-Two families, both affine in the batch size B (``t = intercept(S) + B * per_sample(S)``):
+Three families, all affine in the batch size B (``t = intercept(S) + B * per_sample(S)``):
 
 * :class:`PowerCostModel` -- ``t = a + b * B * S^p`` (the dual-constraint paper's ``B*S^p`` cost);
-* :class:`QuadraticCostModel` -- ``t = c0 + c1*B*S + c2*B*S^2`` (linear layers + attention).
+* :class:`QuadraticCostModel` -- ``t = c0 + c1*B*S + c2*B*S^2`` (linear layers + attention);
+* :class:`LinearCostModel` -- ``t = c0 + c1*B*S`` (time linear in tokens): the fallback of
+  ``fit_cost_model(kind="auto")`` when neither family above fits the measurements.
 
-Times are in seconds, S in tokens. :func:`fit_cost_model` fits either (or picks the better by
-held-out error) from ``(B, S, t)`` points. On the ANCHORS section 2 Wan-1.3B measurements the power
-fit gives ``p = 1.41 +- 0.04, R^2 = 0.987`` and the quadratic ``R^2 = 0.998``.
+Times are in seconds, S in tokens. :func:`fit_cost_model` fits one family (or picks the better by
+held-out error) from ``(B, S, t)`` points. On the Wan-1.3B H200 measurements of the built-in
+calibrations (adaptiveload/sched/presets.py) the power fit gives ``p = 1.41 +- 0.04, R^2 = 0.987`` and
+the quadratic ``R^2 = 0.998``.
+
+A poor fit -- the times do not grow with the work (``b = 0``, ``c1 + c2 = 0``), ``p`` pinned at a bound
+of :data:`P_BOUNDS`, or ``R^2 <`` :data:`R2_MIN` -- is what a quick calibration measures while other
+processes hold the cores. ``kind="auto"`` then falls back to the linear model and says why in one
+line (:attr:`CostModel.warning`).
 """
 from __future__ import annotations
 
@@ -23,6 +31,16 @@ from scipy.optimize import OptimizeWarning, curve_fit, nnls
 # Range of the power-law exponent p: below 0.5 or above 3 a "fit" is an artefact of too few points
 # (dense layers give p = 1, full attention p = 2).
 P_BOUNDS = (0.5, 3.0)
+# A p within this distance of a bound is "pinned": the data wanted a p outside P_BOUNDS.
+P_BOUND_TOL = 1e-3
+# Below this R^2 a fit is poor: more than a fifth of the variance of the measured step times is not
+# explained. The built-in H200 fits reach 0.987 (power) and 0.998 (quadratic); a loaded CPU
+# calibration that planned 5x too high a throughput had 0.50. With that much unexplained time the
+# curvature (p, c2) that decides how B shrinks with S is not measured, and a model linear in tokens
+# (which makes the compute budget a token budget, like the equal-token rule) is the safer plan.
+R2_MIN = 0.8
+# A B-dependent term below this fraction of every measured step time is zero: the times do not grow with the work.
+MIN_SLOPE_SHARE = 1e-6
 # At most this many cross-validation folds (leave-one-out below it).
 MAX_FOLDS = 10
 
@@ -30,14 +48,16 @@ MAX_FOLDS = 10
 @dataclass
 class FitStats:
     """Quality of a fit. ``cv_rel_rmse``: root-mean-square relative error on held-out points
-    (k-fold, ``k = min(n, 10)``; NaN when there are too few points); ``param_std``: one-sigma
-    uncertainty of each parameter from the fit covariance (NaN when not estimable)."""
+    (k-fold, ``k = min(n, 10)``; NaN when there are too few points or a fold's fit is degenerate);
+    ``param_std``: one-sigma uncertainty of each parameter from the fit covariance (NaN when not
+    estimable); ``warnings``: one-line messages on a poor fit (empty when the fit is good)."""
 
     n_points: int
     r2: float
     rmse_s: float
     cv_rel_rmse: float
     param_std: dict = field(default_factory=dict)
+    warnings: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -46,6 +66,7 @@ class FitStats:
             "rmse_s": _json_float(self.rmse_s),
             "cv_rel_rmse": _json_float(self.cv_rel_rmse),
             "param_std": {k: _json_float(v) for k, v in self.param_std.items()},
+            "warnings": list(self.warnings),
         }
 
     @classmethod
@@ -56,6 +77,7 @@ class FitStats:
             rmse_s=_float(d.get("rmse_s")),
             cv_rel_rmse=_float(d.get("cv_rel_rmse")),
             param_std={k: _float(v) for k, v in d.get("param_std", {}).items()},
+            warnings=[str(w) for w in d.get("warnings", [])],
         )
 
 
@@ -120,6 +142,11 @@ class CostModel(ABC):
         """R^2 of the fit on its own points (NaN for a model not fitted here)."""
         return self.fit.r2 if self.fit else float("nan")
 
+    @property
+    def warning(self) -> str | None:
+        """The fit's warnings as one line (R^2, the bound hit, the model used), or ``None`` for a good fit."""
+        return "; ".join(self.fit.warnings) if self.fit and self.fit.warnings else None
+
     def to_json(self) -> dict:
         """A JSON-serialisable dict: ``{"kind", <params>, "fit": {...} | None}``."""
         return {"kind": self.kind, **self.params(), "fit": self.fit.to_json() if self.fit else None}
@@ -132,7 +159,7 @@ class CostModel(ABC):
             ValueError: unknown ``kind`` or a missing parameter.
         """
         d = json.loads(data) if isinstance(data, str) else dict(data)
-        kinds = {"power": PowerCostModel, "quadratic": QuadraticCostModel}
+        kinds = {"power": PowerCostModel, "quadratic": QuadraticCostModel, "linear": LinearCostModel}
         cls = kinds.get(d.get("kind"))
         if cls is None:
             raise ValueError(f"cost model: unknown kind {d.get('kind')!r}, expected one of {sorted(kinds)}")
@@ -144,7 +171,7 @@ class CostModel(ABC):
         return cls(*(float(d[n]) for n in names), fit=fit)
 
     def describe(self) -> str:
-        """One line: formula with fitted values and fit quality."""
+        """One line: formula with fitted values and fit quality (the warning, if any, is :attr:`warning`)."""
         text = self._formula()
         if self.fit:
             parts = [f"R^2 {self.fit.r2:.3f}" if math.isfinite(self.fit.r2) else None,
@@ -215,6 +242,30 @@ class QuadraticCostModel(CostModel):
         return f"t = {self.c0 * 1e3:.4g} ms + {self.c1 * 1e3:.4g} ms * B*S + {self.c2 * 1e3:.4g} ms * B*S^2"
 
 
+class LinearCostModel(CostModel):
+    """``t = c0 + c1*B*S`` seconds (c0 >= 0, c1 > 0): step time linear in the tokens of the batch."""
+
+    kind = "linear"
+    _PARAMS = ("c0", "c1")
+
+    def __init__(self, c0: float, c1: float, *, fit: FitStats | None = None):
+        if not (c0 >= 0 and c1 > 0):
+            raise ValueError(f"linear cost model needs c0 >= 0 and c1 > 0; got c0={c0}, c1={c1}")
+        self.c0, self.c1, self.fit = float(c0), float(c1), fit
+
+    def intercept(self, seq_lens):
+        return np.full(np.shape(seq_lens), self.c0)
+
+    def per_sample(self, seq_lens):
+        return self.c1 * np.asarray(seq_lens, dtype=np.float64)
+
+    def params(self):
+        return {"c0": self.c0, "c1": self.c1}
+
+    def _formula(self):
+        return f"t = {self.c0 * 1e3:.4g} ms + {self.c1 * 1e3:.4g} ms * B*S"
+
+
 # ----------------------------------------------------------------------------------------- fitting
 
 
@@ -231,11 +282,24 @@ def _validate_points(batch_sizes, seq_lens, step_times):
     return b, s, t
 
 
+class _Degenerate(ValueError):
+    """A fit whose B-dependent term is zero: the step times do not grow with the work."""
+
+
+def _grows(term, t) -> bool:
+    """Whether the B-dependent part ``term`` of a fit (array [n], seconds) reaches MIN_SLOPE_SHARE of
+    some measured time ``t`` (array [n], seconds)."""
+    return bool(np.max(term / t) >= MIN_SLOPE_SHARE)
+
+
 def _fit_power(b, s, t):
     """Weighted (relative-residual) least squares of ``t = a + beta * B * (S/s0)^p``.
 
     A grid over p with non-negative least squares for (a, beta) finds the basin, then
     ``scipy.optimize.curve_fit`` (bounds a >= 0, beta > 0, p in P_BOUNDS) refines and gives the covariance.
+
+    Raises:
+        _Degenerate: ``b = 0`` (the times do not grow with ``B*S^p``).
     """
     s0 = float(np.exp(np.mean(np.log(s))))  # scale S to ~1 so the parameters are well conditioned
     x = s / s0
@@ -268,19 +332,27 @@ def _fit_power(b, s, t):
         pass
     a, beta, p = (float(v) for v in params)
     b_coef = beta / s0**p
+    if not _grows(b_coef * b * s**p, t):
+        raise _Degenerate("b = 0, the step times do not grow with B*S^p")
     p_std = float(std[2])
     b_std = float(std[1] / s0**p) if math.isfinite(std[1]) else float("nan")
     return PowerCostModel(a, b_coef, p), {"a": float(std[0]), "b": b_std, "p": p_std}
 
 
-def _fit_quadratic(b, s, t):
-    """Non-negative least squares on relative residuals of ``t = c0 + c1*B*S + c2*B*S^2``."""
-    columns = np.column_stack([np.ones_like(t), b * s, b * s * s])
+def _nnls_relative(columns, t):
+    """Non-negative least squares of ``t = columns @ c`` on relative residuals ``(pred - t) / t``.
+
+    Args:
+        columns: float64 [n, k], positive design columns; t: float64 [n], seconds.
+
+    Returns:
+        ``(c, std)``: float64 [k] coefficients (>= 0) and their one-sigma uncertainty (NaN when not estimable).
+    """
     col_scale = columns.max(axis=0)
     design = columns / col_scale / t[:, None]
     coef, _ = nnls(design, np.ones_like(t))
-    std = np.full(3, np.nan)
-    dof = t.size - 3
+    std = np.full(coef.size, np.nan)
+    dof = t.size - coef.size
     if dof > 0:
         resid = design @ coef - 1.0
         try:
@@ -288,13 +360,36 @@ def _fit_quadratic(b, s, t):
             std = np.sqrt(np.clip(np.diag(cov), 0, None)) / col_scale
         except np.linalg.LinAlgError:
             pass
-    c = coef / col_scale
-    if c[1] + c[2] <= 0:  # degenerate data (time independent of B*S): keep a tiny positive slope
-        c[1] = 1e-12
+    return coef / col_scale, std
+
+
+def _fit_quadratic(b, s, t):
+    """Non-negative least squares on relative residuals of ``t = c0 + c1*B*S + c2*B*S^2``.
+
+    Raises:
+        _Degenerate: ``c1 + c2 = 0`` (the times do not grow with ``B*S``).
+    """
+    c, std = _nnls_relative(np.column_stack([np.ones_like(t), b * s, b * s * s]), t)
+    if not _grows(c[1] * b * s + c[2] * b * s * s, t):
+        raise _Degenerate("c1 + c2 = 0, the step times do not grow with B*S")
     return QuadraticCostModel(*c), dict(zip(("c0", "c1", "c2"), (float(v) for v in std)))
 
 
-_FITTERS = {"power": (_fit_power, 3), "quadratic": (_fit_quadratic, 3)}
+def _fit_linear(b, s, t):
+    """Non-negative least squares on relative residuals of ``t = c0 + c1*B*S``. When the times do not
+    grow with ``B*S`` (``c1 = 0``): the proportional ``t = c1*B*S`` (``c0 = 0``,
+    ``c1 = sum(x/t) / sum((x/t)^2)`` with ``x = B*S``, always > 0) -- time per token, the equal-token rule's assumption."""
+    x = b * s
+    c, std = _nnls_relative(np.column_stack([np.ones_like(t), x]), t)
+    if not _grows(c[1] * x, t):
+        (c1,), (c1_std,) = _nnls_relative(x[:, None], t)
+        c, std = (0.0, c1), (float("nan"), c1_std)
+    return LinearCostModel(*c), dict(zip(("c0", "c1"), (float(v) for v in std)))
+
+
+_FITTERS = {"power": (_fit_power, 3), "quadratic": (_fit_quadratic, 3), "linear": (_fit_linear, 2)}
+FIT_KINDS = tuple(_FITTERS)  # the kinds fit_cost_model takes besides "auto"
+_RECALIBRATE = "the times were probably measured under load: recalibrate on an idle machine"
 
 
 def _cross_validated_rel_rmse(fitter, n_params, b, s, t) -> float:
@@ -306,9 +401,33 @@ def _cross_validated_rel_rmse(fitter, n_params, b, s, t) -> float:
     folds = np.arange(n) % k
     for fold in range(k):
         test = folds == fold
-        model, _ = fitter(b[~test], s[~test], t[~test])
+        try:
+            model, _ = fitter(b[~test], s[~test], t[~test])
+        except _Degenerate:  # the fit without this fold has no slope: no held-out error
+            return float("nan")
         errors[test] = (model.predict(b[test], s[test]) - t[test]) / t[test]
     return float(np.sqrt(np.mean(errors**2)))
+
+
+def _fitted(kind: str, b, s, t) -> CostModel:
+    """The ``kind`` fit with its :class:`FitStats` (no warnings). Raises _Degenerate as the fitter."""
+    fitter, n_params = _FITTERS[kind]
+    model, param_std = fitter(b, s, t)
+    pred = model.predict(b, s)
+    ss_tot = float(np.sum((t - t.mean()) ** 2))
+    r2 = 1.0 - float(np.sum((pred - t) ** 2)) / ss_tot if ss_tot > 0 else float("nan")
+    rmse = float(np.sqrt(np.mean((pred - t) ** 2)))
+    model.fit = FitStats(int(t.size), r2, rmse, _cross_validated_rel_rmse(fitter, n_params, b, s, t), param_std)
+    return model
+
+
+def _bound_hit(model: CostModel) -> str | None:
+    """``"p = 3.000 at its upper bound 3.0"`` when a power fit's p is pinned at a bound of P_BOUNDS, else None."""
+    if isinstance(model, PowerCostModel):
+        for bound, side in zip(P_BOUNDS, ("lower", "upper")):
+            if abs(model.p - bound) <= P_BOUND_TOL:
+                return f"p = {model.p:.3f} at its {side} bound {bound}"
+    return None
 
 
 def fit_cost_model(batch_sizes, seq_lens, step_times, kind: str = "auto") -> CostModel:
@@ -320,42 +439,65 @@ def fit_cost_model(batch_sizes, seq_lens, step_times, kind: str = "auto") -> Cos
         step_times: array [n], measured step time in seconds (median of repeats).
         kind: ``"power"`` (``t = a + b*B*S^p``, curve_fit with bounds a >= 0, b > 0,
             p in [0.5, 3]), ``"quadratic"`` (``t = c0 + c1*B*S + c2*B*S^2``, non-negative least
-            squares), or ``"auto"`` (fit both, keep the lower held-out error; ties and too few points
-            for cross-validation fall back to the higher R^2).
+            squares), ``"linear"`` (``t = c0 + c1*B*S``, non-negative least squares; ``t = c1*B*S``
+            when the times do not grow with ``B*S``), or ``"auto"``: fit power and quadratic and keep
+            the lower held-out error (ties and too few points for cross-validation: the higher R^2)
+            among the good fits; when neither is good -- ``b = 0`` / ``c1 + c2 = 0``, p within
+            :data:`P_BOUND_TOL` of a bound of :data:`P_BOUNDS`, or R^2 below :data:`R2_MIN` -- the
+            linear model, with one warning line in ``.fit.warnings`` naming each family's R^2 and
+            bound hit and the model used. ``"auto"`` never raises on 3 or more finite positive points.
 
     Returns:
-        A :class:`PowerCostModel` or :class:`QuadraticCostModel` whose ``.fit`` holds R^2, RMSE,
-        held-out relative RMSE and parameter uncertainties (``.p_std`` for the power model).
+        A :class:`PowerCostModel`, :class:`QuadraticCostModel` or :class:`LinearCostModel` whose
+        ``.fit`` holds R^2, RMSE, held-out relative RMSE, parameter uncertainties (``.p_std`` for the
+        power model) and ``warnings`` (also a named kind with R^2 below :data:`R2_MIN`); its
+        predictions are finite and >= 0 for every B, S >= 1.
 
     Raises:
         ValueError: unequal lengths, a non-positive or non-finite value (named by array and index),
-            fewer than 3 points, or an unknown ``kind``.
+            fewer than 3 points, an unknown ``kind``; for ``kind="power"`` / ``"quadratic"`` also a
+            fit with ``b = 0`` / ``c1 + c2 = 0`` or p pinned at a bound (the message names it).
 
     .. note::
         Residuals are relative (``(pred - t) / t``): timing noise is roughly proportional to step
         time, and plain least squares would fit the long steps and ignore the short ones.
     """
-    if kind not in ("auto", *_FITTERS):
-        raise ValueError(f"kind must be 'auto', 'power' or 'quadratic', got {kind!r}")
+    if kind not in ("auto", *FIT_KINDS):
+        raise ValueError(f"kind must be one of 'auto', {', '.join(map(repr, FIT_KINDS))}; got {kind!r}")
     b, s, t = _validate_points(batch_sizes, seq_lens, step_times)
     if t.size < 3:
         raise ValueError(f"need at least 3 measured points to fit a cost model, got {t.size}")
-    candidates = []
-    for name in ([kind] if kind != "auto" else list(_FITTERS)):
-        fitter, n_params = _FITTERS[name]
-        model, param_std = fitter(b, s, t)
-        pred = model.predict(b, s)
-        ss_tot = float(np.sum((t - t.mean()) ** 2))
-        r2 = 1.0 - float(np.sum((pred - t) ** 2)) / ss_tot if ss_tot > 0 else float("nan")
-        rmse = float(np.sqrt(np.mean((pred - t) ** 2)))
-        cv = _cross_validated_rel_rmse(fitter, n_params, b, s, t)
-        model.fit = FitStats(int(t.size), r2, rmse, cv, param_std)
-        candidates.append(model)
-    if len(candidates) == 1:
-        return candidates[0]
+    if kind != "auto":
+        try:
+            model = _fitted(kind, b, s, t)
+        except _Degenerate as err:
+            raise ValueError(f"{kind} cost fit: {err}; kind='auto' falls back to a linear model") from None
+        bound = _bound_hit(model)
+        if bound:
+            raise ValueError(f"{kind} cost fit: {bound} (R^2 {model.r2:.2f}); kind='auto' falls back to a linear model")
+        if model.r2 < R2_MIN:  # NaN (all times equal) compares False
+            model.fit.warnings = [f"poor step-time fit: R^2 {model.r2:.2f} < {R2_MIN} for the {kind} model "
+                                  f"{model._formula()}; {_RECALIBRATE}"]
+        return model
+    good, notes = [], []
+    for name in ("power", "quadratic"):
+        try:
+            model = _fitted(name, b, s, t)
+        except _Degenerate as err:
+            notes.append(f"{name}: {err}")
+            continue
+        bound, low = _bound_hit(model), model.r2 < R2_MIN
+        if bound is None and not low:
+            good.append(model)
+        else:
+            notes.append(f"{name}: R^2 {model.r2:.2f}{f' < {R2_MIN}' if low else ''}{f', {bound}' if bound else ''}")
+    if good:
+        def score(m: CostModel):
+            cv = m.fit.cv_rel_rmse
+            return (0, cv) if math.isfinite(cv) else (1, -m.fit.r2 if math.isfinite(m.fit.r2) else 0.0)
 
-    def score(m: CostModel):
-        cv = m.fit.cv_rel_rmse
-        return (0, cv) if math.isfinite(cv) else (1, -m.fit.r2 if math.isfinite(m.fit.r2) else 0.0)
-
-    return min(candidates, key=score)
+        return min(good, key=score)
+    model = _fitted("linear", b, s, t)
+    model.fit.warnings = [f"poor step-time fit ({'; '.join(notes)}): using the linear model {model._formula()} "
+                          f"(R^2 {model.r2:.2f}); {_RECALIBRATE}"]
+    return model

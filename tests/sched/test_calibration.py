@@ -108,3 +108,19 @@ def test_anchors_presets_reproduce_the_published_numbers():
     assert set(PRESETS) == {"anchors-wan1.3b", "anchors-wan1.3b-power"}
     with pytest.raises(FileNotFoundError, match="built-in: anchors-wan1.3b"):
         load_calibration("no-such-preset")
+
+
+def test_times_measured_under_load_fall_back_with_one_warning(tmp_path):
+    """A quick calibration of a tiny model on busy cores: flat times with one slow first step."""
+    pts = [{**p, "step_time_s": 0.05} for p in _points() if p["status"] == "ok"]
+    pts[0]["step_time_s"] = 0.5
+    cal = Calibration.from_points(pts, settings={}, device="cpu")
+    assert cal.cost_model.kind == "linear" and len(cal.cost_model.fit.warnings) == 1
+    lines = cal.describe().splitlines()
+    assert lines[2] == f"  warning: {cal.cost_model.warning}"
+    assert cal.cost_model.warning.startswith("poor step-time fit (power: ")
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    assert Calibration.load(path).cost_model.warning == cal.cost_model.warning
+    with pytest.raises(ValueError, match="power cost fit: "):
+        Calibration.from_points(pts, settings={}, device="cpu", kind="power")

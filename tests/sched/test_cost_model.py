@@ -87,6 +87,136 @@ def test_bad_kind_and_json():
     with pytest.raises(ValueError, match="kind"):
         fit_cost_model([1, 2, 3], [1, 2, 3], [1, 2, 3], kind="cubic")
     with pytest.raises(ValueError, match="unknown kind"):
-        CostModel.from_json({"kind": "linear"})
+        CostModel.from_json({"kind": "cubic"})
     with pytest.raises(ValueError, match=r"missing parameter\(s\) \['p'\]"):
         CostModel.from_json({"kind": "power", "a": 0.0, "b": 1.0})
+
+
+# ------------------------------------------------------------------ noisy calibrations never raise under "auto"
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+# a quick calibration's grid: 3 batch sizes x 3 sequence lengths (the tiny model's buckets)
+B9 = np.array([1, 2, 4] * 3)
+S9 = np.repeat([64, 256, 1024], 3)
+GRID_B, GRID_S = np.meshgrid([1, 3, 64, 1e4], [1, 7, 4096, 1e6])
+
+
+def _check_usable(model):
+    """No exception got here; predictions finite and >= 0 on a grid of B, S >= 1 (huge ones included),
+    and a warning exactly when the linear fallback was taken."""
+    pred = model.predict(GRID_B, GRID_S)
+    assert np.all(np.isfinite(pred)) and np.all(pred >= 0)
+    assert np.all(model.max_batch_size(GRID_S.ravel(), 1.0) >= 0)
+    if model.kind == "linear":
+        assert len(model.fit.warnings) == 1 and "\n" not in model.warning
+        assert "R^2" in model.warning and "linear" in model.warning
+    else:
+        assert model.fit.warnings == [] and model.warning is None
+        assert not (np.isfinite(model.r2) and model.r2 < 0.8)
+        if model.kind == "power":
+            assert 0.5 + 1e-3 < model.p < 3.0 - 1e-3
+    back = CostModel.from_json(json.loads(json.dumps(model.to_json())))
+    assert back.fit.warnings == model.fit.warnings and back.params() == model.params()
+
+
+def _shaped(kind, level, spike_at, factor):
+    t = np.full(B9.size, level)
+    if kind == "decreasing":
+        t = level * np.linspace(2.0, 1.0, B9.size)
+    elif kind == "outlier":  # one slow first point (warm-up), the rest flat
+        t[0] *= factor
+    elif kind == "spike":  # 10x on one point, the rest linear in tokens
+        t = level * (1 + B9 * S9 / 4096)
+        t[spike_at] *= 10
+    return t
+
+
+@given(kind=st.sampled_from(["flat", "decreasing", "outlier", "spike"]),
+       level=st.floats(1e-4, 10.0), spike_at=st.integers(0, B9.size - 1), factor=st.floats(1.5, 20.0))
+def test_auto_never_raises_on_shaped_noise(kind, level, spike_at, factor):
+    _check_usable(fit_cost_model(B9, S9, _shaped(kind, level, spike_at, factor), kind="auto"))
+
+
+@given(st.lists(st.floats(1e-5, 1e3, allow_nan=False, allow_infinity=False), min_size=9, max_size=9),
+       st.lists(st.integers(1, 64), min_size=9, max_size=9), st.lists(st.integers(1, 10**5), min_size=9, max_size=9))
+def test_auto_never_raises_on_random_positive_times(times, batch_sizes, seq_lens):
+    _check_usable(fit_cost_model(batch_sizes, seq_lens, times, kind="auto"))
+
+
+@pytest.mark.parametrize("kind", ["flat", "decreasing", "outlier"])
+def test_times_that_do_not_grow_fall_back_to_linear(kind):
+    t = _shaped(kind, 0.05, 0, 10.0)
+    m = fit_cost_model(B9, S9, t, kind="auto")
+    assert m.kind == "linear"
+    assert "power: b = 0" in m.warning and "quadratic: c1 + c2 = 0" in m.warning
+    with pytest.raises(ValueError, match="b = 0"):
+        fit_cost_model(B9, S9, t, kind="power")
+    with pytest.raises(ValueError, match=r"c1 \+ c2 = 0"):
+        fit_cost_model(B9, S9, t, kind="quadratic")
+
+
+def test_flat_times_give_the_proportional_model_by_hand():
+    # t does not grow with x = B*S: nnls gives c1 = 0, so the fallback is t = c1*x with
+    # c1 = argmin sum(((c1 x - t) / t)^2) = sum(x/t) / sum((x/t)^2)
+    t = np.full(B9.size, 0.05)
+    x = (B9 * S9).astype(np.float64)
+    m = fit_cost_model(B9, S9, t, kind="auto")
+    assert (m.c0, m.c1) == (0.0, pytest.approx(np.sum(x / t) / np.sum((x / t) ** 2), rel=1e-12))
+    assert m.warning.startswith("poor step-time fit (power: b = 0")
+
+
+def test_p_pinned_at_a_bound_falls_back_and_names_it():
+    # t grows like S^4, steeper than P_BOUNDS allows: the power fit pins p at 3, the quadratic fits well
+    t = 0.01 + 1e-12 * B9 * (S9 / 64.0) ** 4.0
+    with pytest.raises(ValueError, match=r"p = 3.000 at its upper bound 3.0"):
+        fit_cost_model(B9, S9, t, kind="power")
+    m = fit_cost_model(B9, S9, t, kind="auto")
+    assert m.kind == "quadratic" and m.r2 > 0.99 and m.warning is None
+    # like S^6: p pinned again, and neither family reaches R^2 0.8
+    t = 0.01 + 1e-3 * B9 * (S9 / 64.0) ** 6.0
+    m = fit_cost_model(B9, S9, t, kind="auto")
+    assert m.kind == "linear"
+    assert m.warning.startswith("poor step-time fit (power: R^2 ")
+    assert "< 0.8, p = 3.000 at its upper bound 3.0; quadratic: R^2 " in m.warning
+    assert f"using the linear model {m._formula()} (R^2 {m.r2:.2f})" in m.warning
+
+
+def test_exact_linear_data_recovers_c0_c1():
+    t = 0.02 + 3e-6 * B9 * S9
+    m = fit_cost_model(B9, S9, t, kind="linear")
+    np.testing.assert_allclose([m.c0, m.c1], [0.02, 3e-6], rtol=1e-9)
+    assert m.r2 == pytest.approx(1.0) and m.fit.warnings == []
+    assert m.predict(10, 1000) == pytest.approx(0.02 + 3e-6 * 1e4)
+    # the largest B with 0.02 + B * 3e-6 * 1000 <= 0.05 is 10
+    assert m.max_batch_size([1000], 0.05 + 1e-12).tolist() == [10]
+    auto = fit_cost_model(B9, S9, t, kind="auto")  # a special case of both families: no fallback
+    assert auto.fit.warnings == [] and auto.kind in ("power", "quadratic")
+    np.testing.assert_allclose(auto.predict(B9, S9), t, rtol=1e-6)
+
+
+def test_exact_power_data_has_no_warning():
+    b, s = _grid()
+    t = 0.02 + 1e-6 * b * s**1.3
+    m = fit_cost_model(b, s, t, kind="auto")
+    assert m.kind == "power" and m.fit.warnings == [] and m.warning is None
+    np.testing.assert_allclose([m.a, m.b, m.p], [0.02, 1e-6, 1.3], rtol=1e-4)
+
+
+def test_low_r2_warns_with_an_explicit_kind():
+    # a 10x spike on one point of linear data: the quadratic follows the others, R^2 stays low
+    t = 0.02 + 3e-6 * B9 * S9
+    t[4] *= 10
+    q = fit_cost_model(B9, S9, t, kind="quadratic")
+    assert q.r2 < 0.8
+    assert q.warning == (f"poor step-time fit: R^2 {q.r2:.2f} < 0.8 for the quadratic model {q._formula()}; "
+                         "the times were probably measured under load: recalibrate on an idle machine")
+
+
+def test_warnings_round_trip_and_old_json_loads():
+    m = fit_cost_model(B9, S9, np.full(B9.size, 0.05))
+    d = m.to_json()
+    assert d["kind"] == "linear" and d["fit"]["warnings"] == m.fit.warnings
+    del d["fit"]["warnings"]  # written before warnings existed
+    assert CostModel.from_json(d).fit.warnings == []
+    assert "\n" not in m.describe()
