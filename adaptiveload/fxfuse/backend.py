@@ -10,8 +10,9 @@ backend's ``options`` dict to it as the keyword ``options=`` (and a non-default 
 with the same keys as keyword arguments works too.
 
 Options:
-    fuse (bool, default True): run the rewrite. ``ADAPTIVELOAD_DISABLE=1`` in the environment turns
-        it off regardless.
+    fuse (bool, default True): run the rewrite. ``ADAPTIVELOAD_DISABLE`` set to 1/true/yes/on in the
+        environment turns it off regardless (0/false/no/off or empty: on; any other value raises a
+        ValueError at compile time).
     inner (str, default "inductor"): the compiler the (rewritten) graph goes to: "inductor"
         (``torch._inductor.compile_fx.compile_fx``), "aot_eager" (AOTAutograd, no code generation;
         the debugging reference) or "eager" (run the FX graph as is).
@@ -20,15 +21,20 @@ Options:
 
 The rewrite runs on a copy of the graph; if it raises, the backend warns once and compiles the
 original graph, so a half-rewritten graph never reaches the inner compiler.
+
+What each compile fused: :func:`collect_reports` gathers the :class:`FusionReport` of every backend
+call made inside a ``with`` block, and ``torch._dynamo.utils.counters["adaptiveload"]`` counts
+"graphs" (graphs the rewrite ran on), "seen", "fused" and "skipped" (chains), and "pass_failures".
 """
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import copy
 import logging
-import os
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.fx import GraphModule
@@ -36,28 +42,66 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from adaptiveload.fxfuse.report import FusionReport
 from adaptiveload.fxfuse.rewrite import fuse_adaln
+from adaptiveload.ops.adaln_modulate import _setting
 
 logger = logging.getLogger("adaptiveload.fxfuse")
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 DISABLE_ENV = "ADAPTIVELOAD_DISABLE"
 
+_DISABLE_VALUES = {"0": False, "1": True, "false": False, "true": True, "no": False, "yes": True,
+                   "off": False, "on": True, "": False}
+
+# the sinks of the enclosing collect_reports() blocks, innermost last (per thread and async task)
+_sinks: contextvars.ContextVar[tuple[list[FusionReport], ...]] = contextvars.ContextVar(
+    "adaptiveload_report_sinks", default=())
 _reports: collections.deque = collections.deque(maxlen=64)
 _warned = False
 
 
+@contextlib.contextmanager
+def collect_reports() -> Iterator[list[FusionReport]]:
+    """Collect what the backend fused while the ``with`` block runs.
+
+        with collect_reports() as reports:
+            loss = compiled(x).sum()   # the first call compiles: the backend runs
+        fused = sum(r.fused for r in reports)
+
+    Yields:
+        A list to which every adaptiveload backend call made inside the block (in this thread or
+        async task) appends its :class:`FusionReport`, in call order: one report per rewritten graph
+        (a recompile, e.g. for a new input shape, adds one; a graph break gives two). Calls that did
+        not run the rewrite (``fuse=False``, ``ADAPTIVELOAD_DISABLE``, a failed pass) add nothing.
+        Blocks nest: a call is appended to the list of every enclosing block. The list stays valid
+        after the block.
+    """
+    sink: list[FusionReport] = []
+    token = _sinks.set((*_sinks.get(), sink))
+    try:
+        yield sink
+    finally:
+        _sinks.reset(token)
+
+
 def last_reports() -> list[FusionReport]:
-    """The reports of the most recent backend calls (oldest first; at most 64 kept)."""
+    """Deprecated, to be removed: use :func:`collect_reports`. The reports of the most recent
+    backend calls (oldest first; at most 64 kept)."""
     return list(_reports)
 
 
 def clear_reports() -> None:
+    """Deprecated, to be removed: use :func:`collect_reports`."""
     _reports.clear()
 
 
 def fusion_disabled() -> bool:
-    """True when ``ADAPTIVELOAD_DISABLE`` is set to 1/true/yes/on."""
-    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether ``ADAPTIVELOAD_DISABLE`` turns the rewrite off: True for 1/true/yes/on, False for
+    0/false/no/off, empty or unset (case-insensitive, surrounding spaces ignored).
+
+    Raises:
+        ValueError: any other value (the message names the variable and the value).
+    """
+    return _DISABLE_VALUES[_setting(DISABLE_ENV, "", tuple(_DISABLE_VALUES))]
 
 
 def adaptiveload_backend(
@@ -82,16 +126,18 @@ def adaptiveload_backend(
         The compiled callable of the inner compiler.
 
     Raises:
-        ValueError: an unknown inner compiler, a non-bool ``fuse``, or Inductor config keys or a
-            ``mode`` with a non-Inductor inner compiler.
+        ValueError: an unknown inner compiler, a non-bool ``fuse``, Inductor config keys or a
+            ``mode`` with a non-Inductor inner compiler, or an ``ADAPTIVELOAD_DISABLE`` value that
+            is not one of :func:`fusion_disabled`'s.
     """
     fuse, inner, inductor_config = _parse_options({**(options or {}), **kwargs})
     if mode is not None and inner != "inductor":
         raise ValueError(f"adaptiveload backend: mode={mode!r} is an Inductor setting, but inner={inner!r}")
+    disabled = fusion_disabled()
     graph = gm
     if not fuse:
         logger.info("LayerNorm→modulate fusion is off (option fuse=False): compiling the graph unchanged")
-    elif fusion_disabled():
+    elif disabled:
         logger.info("LayerNorm→modulate fusion is off (%s is set): compiling the graph unchanged", DISABLE_ENV)
     else:
         graph = _fused_copy(gm)
@@ -129,6 +175,8 @@ def _fused_copy(gm: GraphModule) -> GraphModule:
         logger.debug(message, exc_info=True)
         return gm
     _reports.append(report)
+    for sink in _sinks.get():
+        sink.append(report)
     if report.seen:
         logger.info(report.summary())
     return work

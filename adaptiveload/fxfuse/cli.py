@@ -13,8 +13,9 @@ on the path) or in a ``.py`` file. It returns either
 The model runs once (with autograd enabled, in the mode the factory left it, so activation
 checkpointing shows as it will in training) under ``torch.compile`` with a backend that captures
 each Dynamo graph and runs :func:`adaptiveload.fxfuse.fuse_adaln` on a copy; nothing is compiled.
-The command prints one table per graph (location, source line, norm, variant, modulation layout,
-fused or skipped and why) and a summary line.
+The command prints one table per graph with chains (location, source line, norm, variant,
+modulation layout, fused or skipped and why) and, to stdout whatever the logging setup, the total
+summary line "total: fused N LayerNorm→modulate chains (M seen, K skipped: reasons)".
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         if report.seen:
             print(f"\ngraph {i}:")
             print(report.table())
-    print("\n" + ("no LayerNorm→modulate chain found" if not total.seen else f"total: {total.summary()}"))
+    print(f"\ntotal: {total.summary()}")
     return 0
 
 

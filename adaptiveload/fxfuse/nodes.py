@@ -154,6 +154,27 @@ def addcmul_operands(node: Any) -> Optional[tuple[Any, Any, Any]]:
     return tuple(node.args)
 
 
+# --- data flow ----------------------------------------------------------------------------------
+
+
+def computed_from(value: Any, source: Node) -> bool:
+    """True when ``value`` is ``source`` or is computed from it (``source`` is, transitively, one
+    of its inputs); False for a constant. Both in one graph. Only nodes after ``source`` in graph
+    order can read it, so the walk back from ``value`` stops at earlier ones."""
+    if not isinstance(value, Node):
+        return False
+    stack, seen = [value], set()
+    while stack:
+        node = stack.pop()
+        if node is source:
+            return True
+        if node in seen or node < source:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return False
+
+
 # --- dtype casts --------------------------------------------------------------------------------
 
 _CAST_METHODS = {"float", "half", "bfloat16", "double", "to", "type_as", "type"}
@@ -186,6 +207,14 @@ def cast_source(node: Any) -> Optional[Node]:
     return node.args[0]
 
 
+def narrows(cast: Node) -> bool:
+    """True when the cast ``cast`` (one :func:`cast_source` recognises) may round or overflow: its
+    dtype does not hold every value of its input's (float32 to float16/bfloat16, bfloat16 to
+    float16 and back, float64 to float32, ...). False for a widening or a cast to the same dtype."""
+    src, out = fake_value(cast.args[0]).dtype, fake_value(cast).dtype
+    return torch.promote_types(src, out) != out
+
+
 def strip_exact_casts(node: Any) -> tuple[Any, list[Node]]:
     """Follow casts back from ``node`` while each one is exact for a float32 computation (float16,
     bfloat16 or float32 to float32, or a cast to the same dtype). Returns the earliest node and the
@@ -195,9 +224,7 @@ def strip_exact_casts(node: Any) -> tuple[Any, list[Node]]:
         src = cast_source(node)
         if src is None:
             return node, passed
-        src_dtype, out_dtype = fake_value(src).dtype, fake_value(node).dtype
-        exact = src_dtype == out_dtype or (out_dtype == torch.float32 and src_dtype != torch.float64)
-        if not exact:
+        if narrows(node) or fake_value(node).dtype not in (fake_value(src).dtype, torch.float32):
             return node, passed
         passed.append(node)
         node = src

@@ -12,8 +12,12 @@ otherwise. Matchers only look at graph structure; they never mutate anything.
 * :func:`match_unscaled`        ``norm * scale [+ shift]`` with no ``1 +``: reported, never fused
 
 Each form may be written with operators, ``torch.mul/add``, Tensor methods (``.mul``, ``.add``) or
-aten overloads; a trailing dtype cast (Wan's ``.type_as(x)``) that is the final node's only user is
-part of the chain.
+aten overloads. Trailing dtype casts (each the previous node's only user) are part of the chain up
+to the last narrowing (Wan's ``.type_as(x)`` back to bf16; the ``.half()`` of ``.half().float()``):
+the op outputs that dtype, and a widening after it stays in the graph (see ``_with_tail``).
+
+A match is a chain only if it modulates (:func:`modulates`): scale and shift are computed without
+the normalised tensor. That keeps out RoPE after a q/k norm, ``x * cos + rotate(x) * sin``.
 
 Check: :func:`check` returns a :class:`Verdict` whose ``reason`` says why a chain is left alone, or
 None when the fused op provably computes what the chain computed (shapes, dtypes and devices from
@@ -33,9 +37,11 @@ from adaptiveload.fxfuse.nodes import (
     addcmul_operands,
     binary_operands,
     cast_source,
+    computed_from,
     device_of,
     fake_value,
     is_floating,
+    narrows,
     one_plus_operand,
     static_dims,
     strip_exact_casts,
@@ -103,13 +109,27 @@ def _shift_step(node: Node) -> Optional[tuple[Node, Node]]:
 
 
 def _with_tail(nodes: list[Node]) -> list[Node]:
-    """Extend ``nodes`` by dtype casts that are each the previous node's only user."""
-    while len(nodes[-1].users) == 1:
-        user = next(iter(nodes[-1].users))
-        if cast_source(user) is not nodes[-1]:
-            break
-        nodes.append(user)
-    return nodes
+    """Extend ``nodes`` by the dtype casts after them that the fused op takes in.
+
+    Of the casts that follow (each the previous node's only user), the op takes those up to the last
+    narrowing (:func:`~adaptiveload.fxfuse.nodes.narrows`) and the casts to that same dtype right
+    after it: it then outputs the dtype the chain's value was last rounded to, rounding and
+    overflowing where the chain did. A widening after it (the ``.float()`` of ``.half().float()``)
+    stays in the graph and reads the op's output. Without a narrowing, casts to the chain's own
+    dtype (Wan's ``.type_as(x)`` of a float32 stream) are taken, a widening is not.
+    """
+    casts, last = [], nodes[-1]
+    while len(last.users) == 1 and cast_source(next(iter(last.users))) is last:
+        last = next(iter(last.users))
+        casts.append(last)
+    if not casts:
+        return nodes
+    chain = nodes + casts
+    end = len(nodes) + max((i + 1 for i, cast in enumerate(casts) if narrows(cast)), default=0)
+    dtype = fake_value(chain[end - 1]).dtype
+    while end < len(chain) and fake_value(chain[end]).dtype == dtype:
+        end += 1
+    return chain[:end]
 
 
 def _finish(variant: str, value: Node, nodes: list[Node], scale: Node, leftovers: list[Node]) -> Chain:
@@ -177,6 +197,18 @@ def match_unscaled(value: Node, user: Node) -> Optional[Chain]:
     chain = _finish("norm*scale", value, [user], scale, [])
     chain.rejection = "multiplier is not `1 + scale` (the op computes norm * (1 + scale))"
     return chain
+
+
+def modulates(chain: Chain, site: NormSite) -> bool:
+    """Whether ``chain`` is a modulation of ``site``'s normalised tensor: its scale and shift are
+    computed without it (conditioning such as a timestep embedding, a per-token table, parameters).
+
+    A chain shape only says ``norm * a + b``; a modulation's ``a`` and ``b`` come from elsewhere. An
+    op of the same shape whose terms read the normalised tensor itself is not one -- above all RoPE
+    after a q/k norm, ``x * cos + rotate(x) * sin`` (diffusers' ``apply_rotary_emb``), whose added
+    term is a permutation of ``x``: such a chain is not seen (not reported, not fused).
+    """
+    return not any(computed_from(operand, site.node) for operand in (chain.scale, chain.shift))
 
 
 #: Matchers tried, in order, on each user of the normalised tensor.

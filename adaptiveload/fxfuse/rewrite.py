@@ -4,11 +4,13 @@ Pattern, check, replace, count (the structure of Inductor's ``efficient_conv_bn_
 
 1. find every norm call (``nodes.norm_site``) in the graph and, recursively, in the subgraphs of
    higher-order ops (activation checkpointing's ``tag_activation_checkpoint`` above all);
-2. from each norm's output, through dtype casts, try the matchers of ``patterns.py`` on every user;
+2. from each norm's output, through dtype casts, try the matchers of ``patterns.py`` on every user,
+   keeping the chains that modulate it (``patterns.modulates``);
 3. ``patterns.check`` each chain -- every decision is taken before anything is mutated;
 4. replace each accepted chain's final node by
    ``getitem(torch.ops.adaptiveload.adaln_modulate.default(x, weight, bias, scale, shift, eps, out_dtype), 0)``,
-   erase the nodes this orphaned (and only those), recompile, and count the rewrite in
+   erase the nodes this orphaned (and only those) and recompile;
+5. count: once every graph is rewritten, add the pass's graph and chain counts to
    ``torch._dynamo.utils.counters["adaptiveload"]``.
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ from adaptiveload.fxfuse.patterns import (
     Chain,
     Verdict,
     check,
+    modulates,
 )
 from adaptiveload.fxfuse.report import ChainRecord, FusionReport
 
@@ -50,8 +53,9 @@ def fuse_adaln(gm: GraphModule, example_inputs: Optional[Sequence[Any]] = None) 
         A :class:`FusionReport` listing every chain seen, fused or skipped with the reason.
 
     Every chain is matched and checked before the first mutation, so a chain is either fully
-    rewritten or not touched. Each rewrite adds 1 to
-    ``torch._dynamo.utils.counters["adaptiveload"]["fused"]`` ("seen"/"skipped" likewise).
+    rewritten or not touched. Once the rewrite is done, ``torch._dynamo.utils.counters["adaptiveload"]``
+    gets 1 added to "graphs" and the report's counts to "seen", "fused" and "skipped" (nothing when
+    the rewrite raised).
 
     Fake values are computed without autograd: recording it would run the caller's saved-tensor
     hooks, and activation checkpointing counts what they see, so a graph compiled inside a
@@ -70,19 +74,19 @@ def _fuse(gm: GraphModule, example_inputs: Optional[Sequence[Any]]) -> FusionRep
         plan.append((sub, _collect(name, sub, fake_cache)))
 
     report = FusionReport()
-    counters = torch._dynamo.utils.counters["adaptiveload"]
     for sub, found in plan:
         replaced: dict[Node, Node] = {}
         for chain, verdict, record in found:
             report.chains.append(record)
-            counters["seen"] += 1
-            if verdict.reason is not None:
-                counters["skipped"] += 1
-                continue
-            replace_chain(sub, chain, verdict, replaced)
-            counters["fused"] += 1
+            if verdict.reason is None:
+                replace_chain(sub, chain, verdict, replaced)
         if replaced:
             sub.recompile()
+    counters = torch._dynamo.utils.counters["adaptiveload"]
+    counters["graphs"] += 1
+    counters["seen"] += report.seen
+    counters["fused"] += report.fused
+    counters["skipped"] += report.skipped
     return report
 
 
@@ -161,7 +165,7 @@ def _chains_of(site: NormSite) -> tuple[list[Chain], list[Node], list[Node]]:
                     continue
                 for match in matchers:
                     chain = match(value, user)
-                    if chain is not None:
+                    if chain is not None and modulates(chain, site):
                         chain.site = site
                         chains.append(chain)
                         claimed.update(chain.nodes)

@@ -36,6 +36,9 @@ FACTORIES = textwrap.dedent(
     def module_only():
         return Block()
 
+    def no_chains():
+        return nn.Linear(D, D), (torch.randn(2, D),)
+
     def not_a_module():
         return 42
 
@@ -66,6 +69,12 @@ def test_prints_the_table_of_chains(factory_file, factory, capsys):
     assert "norm*(1+scale)+shift  per-sample  fused" in out
     assert "skipped: RMSNorm, not fused" in out
     assert out.rstrip().endswith("total: fused 1 LayerNorm→modulate chains (2 seen, 1 skipped: 1× RMSNorm, not fused)")
+
+
+def test_prints_the_summary_without_chains_too(factory_file, capsys):
+    assert _run(f"{factory_file}:no_chains") == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("total: fused 0 LayerNorm→modulate chains (0 seen, 0 skipped)")
 
 
 def test_module_factory_with_input_shapes_and_dtype(factory_file, capsys):

@@ -3,14 +3,15 @@ LayerNorm→modulate site their code executes is fused, and training matches eag
 
 Inner compiler: aot_eager (the backend's graph goes through AOTAutograd and the op's autograd
 formula; Inductor-CPU code generation is covered by the slow tests in test_backend.py, and would hit
-the upstream transposed-LayerNorm gradient bug noted in COMMON.md on DiT's patchify).
+an upstream bug on DiT's patchify: Inductor on CPU computes a wrong LayerNorm input gradient for
+transposed inputs).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-import adaptiveload.fxfuse.backend as backend_mod
+from adaptiveload.fxfuse import collect_reports
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -73,6 +74,27 @@ def _wan():
     return model, kwargs, 2 * NUM_LAYERS + 1
 
 
+def _flux():
+    # FluxTransformer2DModel (transformers/transformer_flux.py): each FluxTransformerBlock runs
+    #   norm1, norm1_context (AdaLayerNormZero: self.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]),
+    #   norm2(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None], and the same on the text tokens    (4)
+    # each FluxSingleTransformerBlock: norm (AdaLayerNormZeroSingle)                                  (1)
+    # head: norm_out = AdaLayerNormContinuous                                                        (+1)
+    # The q/k RMSNorms (norm_q, norm_k, norm_added_q, norm_added_k) feed RoPE,
+    # x * cos + rotate(x) * sin (embeddings.py apply_rotary_emb): not modulations, so not seen.
+    # => 4 * num_layers + num_single_layers + 1 sites.
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=NUM_LAYERS, num_single_layers=NUM_LAYERS, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(2, 2, 4),
+    )
+    img_ids = torch.zeros(6, 3)
+    img_ids[:, 1] = torch.arange(6)
+    kwargs = dict(hidden_states=torch.randn(2, 6, 4), encoder_hidden_states=torch.randn(2, 3, 16),
+                  pooled_projections=torch.randn(2, 8), timestep=torch.tensor([0.1, 0.5]),
+                  img_ids=img_ids, txt_ids=torch.zeros(3, 3))
+    return model, kwargs, 5 * NUM_LAYERS + 1
+
+
 def _project_wan(checkpointing: bool):
     from adaptiveload.models import build_model, make_inputs
 
@@ -87,6 +109,7 @@ MODELS = {
     "diffusers-DiT": _dit,
     "diffusers-SD3-MMDiT": _sd3,
     "diffusers-Wan": _wan,
+    "diffusers-Flux": _flux,
     "adaptiveload-Wan": lambda: _project_wan(False),
     "adaptiveload-Wan-checkpointed": lambda: _project_wan(True),
 }
@@ -109,11 +132,11 @@ def test_every_site_is_fused_and_training_matches_eager(name):
     ref_loss, ref_grads = _loss_and_grads(model, model, kwargs)
 
     torch._dynamo.reset()
-    backend_mod.clear_reports()
     compiled = torch.compile(model, backend="adaptiveload", options={"inner": "aot_eager"}, fullgraph=True)
-    loss, grads = _loss_and_grads(model, compiled, kwargs)
+    with collect_reports() as reports:
+        loss, grads = _loss_and_grads(model, compiled, kwargs)
 
-    (report,) = backend_mod.last_reports()
+    (report,) = reports
     assert report.fused == sites and report.skipped == 0, report.table()
     if name.endswith("checkpointed"):
         assert sum(c.graph.startswith("wrap_body") for c in report.chains) == sites - 1  # all but the head
@@ -126,19 +149,20 @@ def test_every_site_is_fused_and_training_matches_eager(name):
 @pytest.mark.slow
 def test_project_wan_checkpointed_trains_through_inductor():
     """End to end with Inductor as the inner compiler: the tiny Wan with activation checkpointing
-    (its patchify output is made contiguous, so the upstream Inductor-CPU LayerNorm gradient bug of
-    COMMON.md does not apply)."""
+    (its patchify output is made contiguous, so the upstream bug of Inductor on CPU, a wrong
+    LayerNorm input gradient for transposed inputs, does not apply)."""
     torch.manual_seed(0)
     model, kwargs, sites = _project_wan(True)
     ref_loss, ref_grads = _loss_and_grads(model, model, kwargs)
 
     torch._dynamo.reset()
-    backend_mod.clear_reports()
     compiled = torch.compile(model, backend="adaptiveload", fullgraph=True)
-    loss, grads = _loss_and_grads(model, compiled, kwargs)
+    with collect_reports() as reports:
+        loss, grads = _loss_and_grads(model, compiled, kwargs)
 
-    (report,) = backend_mod.last_reports()
+    (report,) = reports
     assert report.fused == sites and report.skipped == 0, report.table()
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys()
     for param, ref in ref_grads.items():
         torch.testing.assert_close(grads[param], ref, atol=1e-5, rtol=1e-4, msg=param)

@@ -98,6 +98,7 @@ def test_torch_export_graphs(decompose):
         program = program.run_decompositions()
     gm = program.graph_module
     impure = _nodes(gm, lambda n: n.op == "call_function" and n.is_impure())
+    assert impure  # export's dtype asserts
 
     report = fuse_adaln(gm)
 
@@ -106,7 +107,7 @@ def test_torch_export_graphs(decompose):
     assert {c.norm for c in report.chains} == {kind}
     assert not _nodes(gm, lambda n: n.target in (torch.ops.aten.layer_norm.default,
                                                    torch.ops.aten.native_layer_norm.default))
-    # only what the rewrite orphaned is erased: impure nodes (export's dtype asserts) stay
+    # only what the rewrite orphaned is erased: impure nodes stay
     assert all(node in _nodes(gm, lambda n: True) for node in impure)
     for node in _nodes(gm, lambda n: n.target is FUSED_OP):
         assert isinstance(node.meta["val"], tuple) and len(node.meta["val"]) == 3
@@ -120,7 +121,9 @@ def test_dynamo_graph_metadata_is_consistent(capture):
     gm, example_inputs = capture(model, *_inputs())
     work = copy_graph_module(gm)
     fuse_adaln(work)
-    for node in _nodes(work, lambda n: n.target is FUSED_OP):
+    fused = _nodes(work, lambda n: n.target is FUSED_OP)
+    assert len(fused) == 5
+    for node in fused:
         y, mean, rstd = node.meta["example_value"]
         x = fake_value(node.args[0])
         assert y.shape == x.shape and mean.shape == x.shape[:-1] and rstd.dtype == torch.float32
