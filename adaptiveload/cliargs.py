@@ -17,7 +17,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "(default" in text:
+        # identity, not ==: a default of 0 (== False) is shown
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS or "(default" in text:
             return text
         default = action.default
         if isinstance(default, (list, tuple)):

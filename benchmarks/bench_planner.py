@@ -74,7 +74,7 @@ def main(argv=None) -> int:
                  {"phase": "first batch", "policy": policy, **first}]
         del plan
     search, _ = measure(lambda: make_plan(manifest, cal, args.world_size, m_mem=args.m_mem), args.repeats)
-    rows.append({"phase": "make_plan", "policy": "random", **search})
+    rows.append({"phase": "make_plan", "policy": "dual", **search})
     load = os.getloadavg()  # other processes on the machine inflate the timings
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 

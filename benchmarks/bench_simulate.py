@@ -31,7 +31,7 @@ def run_table(manifest, plan_cal, truth_cal, world_sizes, args, seed):
     for w in world_sizes:
         results = simulate(manifest, load_calibration(plan_cal), w, truth_model=load_calibration(truth_cal).cost_model,
                            truth_noise=args.truth_noise, m_mem=args.m_mem, seed=seed)
-        base = next(r for r in results if r.policy == "equal-token").truth_metrics["tokens_per_s"]
+        base = next(r for r in results if r.policy == "equal_token").truth_metrics["tokens_per_s"]
         for r in results:
             rows.append({**r.to_json(), "speedup_vs_equal_token": r.truth_metrics["tokens_per_s"] / base})
     return rows
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     w8 = {r["policy"]: r for r in main_rows if r["world_size"] == 8}
     checks = []
     if w8:
-        eq, dual, grp = w8["equal-token"], w8["dual-constraint"], w8["cost-grouped"]
+        eq, dual, grp = w8["equal_token"], w8["dual"], w8["cost_grouped"]
         checks = [
             ("equal-token CV in [0.36, 0.40]", eq["truth"]["cv"], 0.36 <= round(eq["truth"]["cv"], 2) <= 0.40),
             ("dual-constraint CV <= 0.19", dual["truth"]["cv"], dual["truth"]["cv"] <= 0.19),
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
                                          "scored against the quadratic truth")
     lines += ["", f"### W = 8 over {args.seeds} seeds (manifest, sampler and noise), quadratic plan", "",
               "| policy | CV (truth) min-max | vs equal-token min-max |", "|---|---|---|"]
-    for policy in ("equal-token", "dual-constraint", "cost-grouped"):
+    for policy in ("equal_token", "dual", "cost_grouped"):
         cvs = [s[policy][0] for s in spread]
         sps = [s[policy][1] for s in spread]
         lines.append(f"| {policy} | {min(cvs):.3f} - {max(cvs):.3f} | {min(sps):.3f}x - {max(sps):.3f}x |")

@@ -1,33 +1,46 @@
 """``adaptiveload plan`` and ``adaptiveload simulate``.
 
 Both take ``--manifest`` (a CSV / JSONL / Parquet file, or ``reference`` for the built-in reference
-mix of ANCHORS section 3) and ``--calibration`` (a calibration JSON from ``adaptiveload calibrate``,
-or a built-in: ``anchors-wan1.3b`` -- the Wan-1.3B H200 measurements of ANCHORS section 2, quadratic
-model -- or ``anchors-wan1.3b-power``), so both run without a GPU::
+mix of :func:`~adaptiveload.sched.manifest.reference_mix`) and ``--calibration`` (a calibration JSON
+from ``adaptiveload calibrate``, or a built-in of adaptiveload/sched/presets.py: ``anchors-wan1.3b``
+-- Wan-1.3B measured on an H200, quadratic model -- or ``anchors-wan1.3b-power``), so both run
+without a GPU::
 
     adaptiveload plan --manifest reference --calibration anchors-wan1.3b --world-size 8 --m-mem 151200
     adaptiveload simulate --calibration anchors-wan1.3b --world-size 2 8 1024 --m-mem 151200
+
+Both name the batching policies as :mod:`adaptiveload.sched.policies` does (``--policy equal_token``,
+``dual``, ``cost_grouped``), write every file to ``--out`` and take ``--samples N`` (the reference
+mix's size, or the first N rows of a manifest file). Older spellings -- ``equal-token``,
+``dual-constraint``, ``cost-grouped``, ``random``, ``--num-samples``, ``--json`` -- still work and print a
+one-line deprecation note on stderr.
 """
 from __future__ import annotations
 
-import argparse
-import json
-
+from adaptiveload.cliargs import (choice, deprecated_flag, non_negative_float, non_negative_int, note, positive_float,
+                                  positive_int)
+from adaptiveload.jsonfile import write_json_atomic
 from adaptiveload.sched.calibration import Calibration
-from adaptiveload.sched.cost_model import fit_cost_model
+from adaptiveload.sched.cost_model import FIT_KINDS, fit_cost_model
 from adaptiveload.sched.manifest import Manifest, load_manifest, reference_mix
 from adaptiveload.sched.plan import make_plan
+from adaptiveload.sched.policies import DEPRECATED_NAMES, POLICIES
 from adaptiveload.sched.presets import PRESETS, load_calibration
-from adaptiveload.sched.simulate import SIM_POLICIES, format_results, simulate
+from adaptiveload.sched.simulate import format_results, simulate
 
 REFERENCE = "reference"
-FIT_KINDS = ("power", "quadratic")
+REFERENCE_SAMPLES = 1_000_000  # size of the reference mix without --samples
 
 
 def _manifest(args) -> Manifest:
-    if args.manifest in (None, REFERENCE):
-        return reference_mix(args.num_samples, seed=args.seed)
-    return load_manifest(args.manifest)
+    if args.manifest == REFERENCE:
+        return reference_mix(args.samples or REFERENCE_SAMPLES, seed=args.seed)
+    manifest = load_manifest(args.manifest)
+    if args.samples is None:
+        return manifest
+    if args.samples > len(manifest):
+        note(f"--samples {args.samples:,} is more than the {len(manifest):,} rows of {args.manifest}: using all of them")
+    return manifest.head(args.samples)
 
 
 def _memory_kwargs(args) -> dict:
@@ -35,19 +48,30 @@ def _memory_kwargs(args) -> dict:
     return {"memory_budget_bytes": budget, "m_mem": args.m_mem, "drop_oversized": args.drop_oversized}
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _add_common(p) -> None:
     p.add_argument("--manifest", default=REFERENCE,
                    help="manifest file (.csv/.jsonl/.parquet with num_frames,height,width or seq_len columns), or "
-                        "'reference' for the built-in reference mix (default)")
-    p.add_argument("--num-samples", type=int, default=1_000_000, help="samples of the reference mix (default 1,000,000)")
+                        f"'{REFERENCE}' for the built-in reference mix")
+    p.add_argument("--samples", type=positive_int, default=None, metavar="N",
+                   help=f"samples: the size of the reference mix (default: {REFERENCE_SAMPLES:,}), or the first N rows "
+                        "of a manifest file (default: all; all of them too when N is larger, with a note)")
+    p.add_argument("--num-samples", dest="samples", type=positive_int, action=deprecated_flag("--samples"))
     p.add_argument("--calibration", required=True,
                    help=f"calibration JSON from 'adaptiveload calibrate', or a built-in: {', '.join(PRESETS)} "
-                        "(step time and peak memory of a Wan-1.3B-shaped model, 10 of 30 layers, bf16 eager + AdamW, measured on one H200; see adaptiveload/sched/presets.py)")
-    p.add_argument("--memory-budget-gb", type=float, default=None,
-                   help="device memory for training in GiB; with the calibration's memory model gives the M_mem limit")
-    p.add_argument("--m-mem", type=int, default=None, help="fixed memory budget in tokens per batch (overrides the memory model)")
+                        "(step time and peak memory of a Wan-1.3B-shaped model, 10 of 30 layers, bf16 eager + AdamW, "
+                        "measured on one H200; see adaptiveload/sched/presets.py)")
+    p.add_argument("--memory-budget-gb", type=positive_float, default=None, metavar="GIB",
+                   help="device memory for training in GiB; with the calibration's memory model gives the M_mem limit "
+                        "(default: the calibration's device memory, else the largest B*S it ran)")
+    p.add_argument("--m-mem", type=positive_int, default=None, metavar="TOKENS",
+                   help="fixed memory budget in tokens per batch (overrides the memory model)")
     p.add_argument("--drop-oversized", action="store_true", help="drop buckets whose one sample exceeds the memory limit")
-    p.add_argument("--seed", type=int, default=0, help="seed of the reference mix and of the sampler")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the reference mix and of the sampler")
+
+
+def _policy_type(choices):
+    """``--policy``'s argparse type and metavar: the current names, old spellings mapped with a note."""
+    return {"type": choice("--policy", choices, DEPRECATED_NAMES), "metavar": "{" + ",".join(choices) + "}"}
 
 
 def _run_plan(args) -> int:
@@ -77,7 +101,7 @@ def _run_simulate(args) -> int:
     calibration = load_calibration(args.calibration)
     manifest = _manifest(args)
     truth = _truth_model(args, calibration)
-    policies = SIM_POLICIES if "all" in args.policy else tuple(args.policy)
+    policies = POLICIES if "all" in args.policy else tuple(args.policy)
     print(calibration.describe())
     print(f"manifest: {manifest.source} ({len(manifest):,} samples); truth: {args.truth} "
           f"({truth.describe()}) x (1 + {args.truth_noise} N(0,1))")
@@ -86,46 +110,51 @@ def _run_simulate(args) -> int:
         results += simulate(manifest, calibration, w, policies=policies, truth_model=truth, truth_noise=args.truth_noise,
                             epochs=args.epochs, seed=args.seed, **_memory_kwargs(args))
     print(format_results(results))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump([r.to_json() for r in results], f, indent=1)
-            f.write("\n")
-        print(f"wrote {args.json}")
+    if args.out:
+        write_json_atomic(args.out, [r.to_json() for r in results])
+        print(f"wrote {args.out}")
     return 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def add_commands(subparsers) -> None:
-    """Add ``plan`` and ``simulate`` to the ``adaptiveload`` command line."""
+    """Add ``plan`` and ``simulate`` to the ``adaptiveload`` command line (``subparsers``: an
+    ``argparse`` sub-parsers action).
+
+    Example::
+
+        >>> import argparse
+        >>> parser = argparse.ArgumentParser(prog="adaptiveload")
+        >>> add_commands(parser.add_subparsers(dest="command"))
+        >>> args = parser.parse_args(["plan", "--calibration", "anchors-wan1.3b", "--world-size", "8"])
+        >>> args.policy, args.manifest, args.samples, args.out
+        ('dual', 'reference', None, None)
+    """
     p = subparsers.add_parser("plan", help="choose per-bucket batch sizes for a manifest, calibration and world size",
                               description="Search the memory and compute budgets that maximise predicted tokens/s; print "
                                           "the bucket table next to the equal-token table; write a plan JSON.")
     _add_common(p)
-    p.add_argument("--world-size", type=_positive_int, required=True, help="data-parallel ranks")
-    p.add_argument("--policy", choices=("random", "cost_grouped"), default="random", help="the sampler's step policy")
-    p.add_argument("--out", default=None, help="write the plan JSON here (for DualConstraintBucketSampler.from_plan)")
+    p.add_argument("--world-size", type=positive_int, required=True, help="data-parallel ranks")
+    p.add_argument("--policy", default="dual", **_policy_type(POLICIES),
+                   help="batching policy: equal_token (B = M_mem/S, no search), dual (the dual-constraint rule), "
+                        "cost_grouped (dual, and each step takes W batches of similar cost)")
+    p.add_argument("--out", default=None, metavar="PATH",
+                   help="write the plan JSON here (for DualConstraintBucketSampler.from_plan and 'adaptiveload train --plan')")
     p.set_defaults(func=_run_plan)
 
     s = subparsers.add_parser("simulate", help="replay epoch plans on a simulated cluster: load balance and tokens/s",
                               description="Plan each policy with the calibration's cost model and score it against a "
                                           "separate truth: compute-load CV, idle fraction, tokens/s, step-time variation.")
     _add_common(s)
-    s.add_argument("--world-size", type=_positive_int, nargs="+", required=True, help="one or more world sizes")
-    s.add_argument("--policy", nargs="+", choices=(*SIM_POLICIES, "all"), default=["all"],
-                   type=lambda name: name.replace("_", "-"),  # also the sampler's spelling, e.g. cost_grouped
+    s.add_argument("--world-size", type=positive_int, nargs="+", required=True, help="one or more world sizes")
+    s.add_argument("--policy", nargs="+", default=["all"], **_policy_type((*POLICIES, "all")),
                    help="policies to simulate")
     s.add_argument("--truth", default="plan",
-                   help="cost model to score against: 'plan' (the calibration's own model, default); 'power' or "
-                        "'quadratic' (the calibration's measured points refitted with that model); another "
-                        "calibration JSON; or a built-in calibration name")
-    s.add_argument("--truth-noise", type=float, default=0.05,
-                   help="sigma of multiplicative Gaussian noise on every truth cost (default 0.05)")
-    s.add_argument("--epochs", type=_positive_int, default=1, help="epochs replayed per policy")
-    s.add_argument("--json", default=None, help="also write the results as JSON here")
+                   help="cost model to score against: 'plan' (the calibration's own model); "
+                        f"{', '.join(repr(k) for k in FIT_KINDS)} (the calibration's measured points refitted with "
+                        "that model); another calibration JSON; or a built-in calibration name")
+    s.add_argument("--truth-noise", type=non_negative_float, default=0.05, metavar="SIGMA",
+                   help="sigma of multiplicative Gaussian noise on every truth cost")
+    s.add_argument("--epochs", type=positive_int, default=1, help="epochs replayed per policy")
+    s.add_argument("--out", default=None, metavar="PATH", help="also write the results as JSON here")
+    s.add_argument("--json", dest="out", action=deprecated_flag("--out"))
     s.set_defaults(func=_run_simulate)

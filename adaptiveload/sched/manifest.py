@@ -25,7 +25,7 @@ PIXEL_COLUMNS = ("num_frames", "height", "width")
 TOKEN_COLUMN = "seq_len"
 FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".parquet": "parquet"}
 
-# The reference corpus of ANCHORS section 3 (probabilities; see :func:`reference_mix`).
+# The reference corpus: an image/video mix of the shares below (probabilities; see :func:`reference_mix`).
 REFERENCE_IMAGE_SHARE = 0.30
 REFERENCE_RESOLUTIONS = ((480, 832), (720, 1280))
 REFERENCE_RESOLUTION_PROBS = (0.70, 0.30)
@@ -56,6 +56,19 @@ class Manifest:
     def __len__(self) -> int:
         return int(self.seq_lens.shape[0])
 
+    def head(self, n: int) -> "Manifest":
+        """The first ``n`` samples (all of them when ``n >= len(self)``); ``source`` gains ``(first n rows)``.
+
+        Raises:
+            ValueError: ``n < 1``.
+        """
+        if n < 1:
+            raise ValueError(f"the number of samples must be >= 1, got {n}")
+        if n >= len(self):
+            return self
+        first = [None if a is None else a[:n] for a in (self.seq_lens, self.latent_shapes, self.pixel_shapes)]
+        return Manifest(*first, self.vae_stride, self.patch_size, f"{self.source} (first {n:,} rows)")
+
     @property
     def bucket_keys(self) -> np.ndarray:
         """Per-sample bucket key: the latent shapes [n, 3], or ``seq_lens[:, None]`` without shapes."""
@@ -64,7 +77,14 @@ class Manifest:
     @classmethod
     def from_pixels(cls, num_frames, height, width, *, vae_stride=WAN_VAE_STRIDE, patch_size=WAN_PATCH_SIZE,
                     source: str = "") -> "Manifest":
-        """Build from pixel sizes (int arrays [n]); pixel sizes are floored to whole patches."""
+        """Build from pixel sizes (int arrays [n]); pixel sizes are floored to whole patches.
+
+        Example::
+
+            >>> m = Manifest.from_pixels([1, 81, 81], [480, 480, 720], [832, 832, 1280])
+            >>> m.seq_lens.tolist(), m.latent_shapes[1].tolist(), len(m.head(2))
+            ([1560, 32760, 75600], [21, 60, 104], 2)
+        """
         pixels = np.stack([np.asarray(v, dtype=np.int64).reshape(-1) for v in (num_frames, height, width)], axis=1)
         shapes = latent_shape(pixels[:, 0], pixels[:, 1], pixels[:, 2], vae_stride=vae_stride, patch_size=patch_size)
         return cls(tokens_from_latent(shapes, patch_size=patch_size), shapes, pixels, tuple(vae_stride),
@@ -247,7 +267,7 @@ def write_manifest(manifest: Manifest, path: str) -> None:
 
 
 def reference_mix(num_samples: int, seed: int = 0, *, vae_stride=WAN_VAE_STRIDE, patch_size=WAN_PATCH_SIZE) -> Manifest:
-    """The reference image/video mix of ANCHORS section 3, drawn at random.
+    """The reference image/video mix, drawn at random.
 
     Each sample is independently an image (probability 0.30, ``num_frames = 1``) or a video (0.70)
     of 17/33/49/65/81 frames (probabilities 0.10/0.15/0.20/0.20/0.35); the resolution is 480x832

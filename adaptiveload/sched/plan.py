@@ -4,16 +4,19 @@ The batch-size rule (the sampler's): ``B_k = max(1, min(floor(M_mem / S_k), B_co
 ``B_cost`` is the largest B whose predicted step time is ``<= C`` under the calibration's cost model.
 :func:`make_plan` evaluates every budget at which some bucket's batch size changes (the exact
 breakpoints ``C = t(b, S_k)``), for several ``M_mem`` up to the memory limit, and keeps the one with
-the highest predicted throughput for the world size and step policy:
+the highest predicted throughput for the world size and the step order of the policy
+(:mod:`adaptiveload.sched.policies`):
 
-* ``"random"`` (ranks draw batches independently): a step lasts as long as the slowest of W
-  independent draws from the epoch's batch mix, ``E[max] = sum_j c_j (F_j^W - F_{j-1}^W)`` over
-  batch types sorted by cost c_j with cumulative share F_j; tokens/s = ``W * E[tokens] / E[max]``;
-* ``"cost_grouped"`` (W consecutive batches in cost order form a step): the step time is the most
-  expensive batch of each group of W, summed exactly over the sorted batch list.
+* ``"random"`` (policies ``dual`` and ``equal_token``: ranks draw batches independently): a step lasts
+  as long as the slowest of W independent draws from the epoch's batch mix,
+  ``E[max] = sum_j c_j (F_j^W - F_{j-1}^W)`` over batch types sorted by cost c_j with cumulative share
+  F_j; tokens/s = ``W * E[tokens] / E[max]``;
+* ``"cost_grouped"`` (policy ``cost_grouped``: W consecutive batches in cost order form a step): the
+  step time is the most expensive batch of each group of W, summed exactly over the sorted batch list.
 
-The equal-token rule (``B = floor(M_mem_limit / S)``, ranks drawing independently) is reported next to
-the plan for comparison.
+Policy ``equal_token`` searches nothing: its plan is the equal-token rule ``B = floor(M_mem_limit / S)``
+(``M_mem`` = the memory limit, no step budget). The equal-token rule (ranks drawing independently) is
+reported next to every plan for comparison.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ from adaptiveload.jsonfile import check_header, read_json, write_json_atomic
 from adaptiveload.sched.calibration import Calibration
 from adaptiveload.sched.cost_model import CostModel, PowerCostModel
 from adaptiveload.sched.manifest import Manifest
-from adaptiveload.sched.sampler import POLICIES, bucket_tokens, group_buckets
+from adaptiveload.sched.policies import policy_name, step_order
+from adaptiveload.sched.sampler import bucket_tokens, group_buckets
 
 FORMAT = "adaptiveload.plan"
 FORMAT_VERSION = 1
@@ -63,7 +67,8 @@ def predicted_throughput(cost_model: CostModel, seq_lens, counts, batch_sizes, w
         cost_model: step-time model (seconds).
         seq_lens, counts, batch_sizes: int arrays [k] per bucket (batch size 0 = dropped).
         world_size: W ranks, one batch each per step.
-        policy: ``"random"`` or ``"cost_grouped"`` (formulas in the module docstring).
+        policy: a policy (``equal_token``, ``dual``, ``cost_grouped`` or an older spelling) or a step
+            order (``"random"``, ``"cost_grouped"``); its step order picks the formula (module docstring).
 
     Returns:
         dict with ``tokens_per_s``, ``step_time_s`` (expected step time = slowest rank),
@@ -77,12 +82,12 @@ def predicted_throughput(cost_model: CostModel, seq_lens, counts, batch_sizes, w
     cost, tokens, mult = cost[order], tokens[order], mult[order].astype(np.float64)
     total = float(mult.sum())
     mean_cost = float(np.sum(cost * mult) / total)
-    if policy == "random":
+    if step_order(policy) == "random":
         cdf = np.cumsum(mult) / total
         prev = np.concatenate([[0.0], cdf[:-1]])
         step = float(np.sum(cost * (cdf**world_size - prev**world_size)))
         tps = world_size * float(np.sum(tokens * mult) / total) / step
-    elif policy == "cost_grouped":
+    else:
         end = np.cumsum(mult)
         start = end - mult
         tops = np.floor(end / world_size) - np.floor(start / world_size)  # group maxima in each run
@@ -90,8 +95,6 @@ def predicted_throughput(cost_model: CostModel, seq_lens, counts, batch_sizes, w
         step_sum = float(np.sum(cost * tops)) + (cost[-1] if total % world_size else 0.0)
         step = step_sum / num_steps
         tps = float(np.sum(tokens * mult)) / step_sum
-    else:
-        raise ValueError(f"Invalid policy {policy!r}, policy should be one of {POLICIES}")
     return {"tokens_per_s": tps, "step_time_s": step, "mean_batch_time_s": mean_cost, "idle": 1.0 - mean_cost / step}
 
 
@@ -109,7 +112,9 @@ class Plan:
     """A chosen batch-size rule for a corpus, a calibration and a world size.
 
     Attributes:
-        world_size, policy: what it was optimised for.
+        world_size, policy: what it was optimised for; ``policy`` is one of
+            :data:`~adaptiveload.sched.policies.POLICIES` (a plan file with an older spelling, e.g.
+            ``"random"``, loads with the current name).
         m_mem: tokens per batch (memory constraint ``B*S <= m_mem``).
         m_mem_limit: the largest ``m_mem`` memory allows (from the memory model, or given).
         step_budget_s: compute constraint, predicted step seconds (``None`` = memory only).
@@ -145,6 +150,8 @@ class Plan:
         return None
 
     def to_json(self) -> dict:
+        """The plan file's content: header, the rule (``m_mem``, ``step_budget_s``, ``m_comp``), the cost
+        model, the predicted throughput and the bucket rows."""
         return {"format": FORMAT, "version": FORMAT_VERSION, "date": self.date, "source": self.source,
                 "world_size": self.world_size, "policy": self.policy, "m_mem": self.m_mem,
                 "m_mem_limit": self.m_mem_limit, "step_budget_s": self.step_budget_s, "m_comp": self.m_comp,
@@ -158,13 +165,23 @@ class Plan:
 
     @classmethod
     def from_json(cls, d: dict, *, where: str = "plan") -> "Plan":
+        """Rebuild from :meth:`to_json` output (an older policy spelling loads as the current name).
+
+        Raises:
+            ValueError: not a plan, an unsupported version, a missing field, an unknown policy or cost
+                model (messages start with ``where``).
+        """
         check_header(d, fmt=FORMAT, version=FORMAT_VERSION, what="plan", where=where,
                      required=("world_size", "policy", "m_mem", "step_budget_s", "cost_model", "buckets"))
         try:
             cost = CostModel.from_json(d["cost_model"])
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
-        return cls(int(d["world_size"]), d["policy"], int(d["m_mem"]), int(d.get("m_mem_limit", d["m_mem"])),
+        try:
+            policy = policy_name(d["policy"])
+        except ValueError as err:
+            raise ValueError(f"{where}: field 'policy': {err}") from None
+        return cls(int(d["world_size"]), policy, int(d["m_mem"]), int(d.get("m_mem_limit", d["m_mem"])),
                    None if d["step_budget_s"] is None else float(d["step_budget_s"]), cost, list(d["buckets"]),
                    list(d.get("dropped", [])), dict(d.get("predicted", {})), bool(d.get("drop_oversized", False)),
                    tuple(d.get("patch_size", (1, 2, 2))), str(d.get("source", "")), str(d.get("date", "")))
@@ -226,7 +243,7 @@ def memory_limit(calibration: Calibration, max_seq_len: int, *, memory_budget_by
 
 
 def make_plan(manifest: Manifest, calibration: Calibration, world_size: int, *, memory_budget_bytes=None,
-              m_mem=None, drop_oversized: bool = False, policy: str = "random", safety: float = DEFAULT_SAFETY) -> Plan:
+              m_mem=None, drop_oversized: bool = False, policy: str = "dual", safety: float = DEFAULT_SAFETY) -> Plan:
     """Choose ``M_mem`` and the step budget that maximise predicted tokens/s; compare with equal-token.
 
     Args:
@@ -237,20 +254,31 @@ def make_plan(manifest: Manifest, calibration: Calibration, world_size: int, *, 
             ``M_mem`` (see :func:`memory_limit`).
         m_mem: a fixed ``M_mem`` in tokens instead of a search up to the memory limit.
         drop_oversized: drop buckets whose single sample exceeds the memory limit instead of raising.
-        policy: the step policy the sampler will use (``"random"`` or ``"cost_grouped"``).
+        policy: the batching policy, one of :data:`~adaptiveload.sched.policies.POLICIES`
+            (``equal_token``: the equal-token rule, no search; ``dual``, ``cost_grouped``: the budgets
+            that maximise predicted tokens/s for that policy's step order); an older spelling
+            (``"random"``, ``"cost-grouped"`` ...) is mapped by :func:`~adaptiveload.sched.policies.policy_name`.
         safety: fraction of ``memory_budget_bytes`` to plan for.
 
     Returns:
-        A :class:`Plan`.
+        A :class:`Plan` (its ``policy`` the current name).
 
     Raises:
         ValueError: bad world size or policy, no memory limit, or buckets with ``S`` over the memory
             limit (each named with its shape, S and sample count) without ``drop_oversized``.
+
+    Example::
+
+        >>> from adaptiveload.sched.manifest import Manifest
+        >>> from adaptiveload.sched.presets import load_calibration
+        >>> m = Manifest.from_seq_lens([1560] * 400 + [32760] * 40)
+        >>> plan = make_plan(m, load_calibration("anchors-wan1.3b"), 4, m_mem=65520, policy="equal_token")
+        >>> [r["batch_size"] for r in plan.buckets], plan.step_budget_s, plan.predicted["speedup"]
+        ([42, 2], None, 1.0)
     """
     if not isinstance(world_size, (int, np.integer)) or world_size < 1:
         raise ValueError(f"Invalid world_size {world_size!r}, world_size should be a positive integer")
-    if policy not in POLICIES:
-        raise ValueError(f"Invalid policy {policy!r}, policy should be one of {POLICIES}")
+    policy = policy_name(policy)
     keys, _, counts = group_buckets(manifest.bucket_keys)
     seq = bucket_tokens(keys, manifest.patch_size)
     limit, source = memory_limit(calibration, int(seq.max()), memory_budget_bytes=memory_budget_bytes, m_mem=m_mem,
@@ -273,27 +301,29 @@ def make_plan(manifest: Manifest, calibration: Calibration, world_size: int, *, 
         b[~over] = rule_batch_sizes(cost, kseq, mm, budget)
         return b
 
-    longest = int(kseq.max())
-    mm_candidates = [limit] if m_mem is not None else sorted(
-        {int(v) for v in np.geomspace(longest, limit, M_MEM_CANDIDATES)} | {limit})
-    best = None
-    for mm in mm_candidates:
-        b_mem = np.maximum(1, mm // kseq)
-        # budgets at which some bucket's B changes: t(b, S_k) for b = 1..B_mem,k
-        breakpoints = np.unique(np.concatenate([cost.predict(np.arange(1, bm + 1), s) for bm, s in zip(b_mem, kseq)]))
-        if breakpoints.size > MAX_BUDGET_CANDIDATES:
-            breakpoints = np.unique(np.quantile(breakpoints, np.linspace(0, 1, MAX_BUDGET_CANDIDATES)))
-        # a budget just above each breakpoint admits that batch (float rounding), plus memory only
-        for budget in [*(breakpoints * (1 + 1e-9)), None]:
-            b = sizes_for(mm, budget)
-            tps = predicted_throughput(cost, seq, counts, b, world_size, policy)["tokens_per_s"]
-            if best is None or tps > best[0] * (1 + 1e-12):
-                best = (tps, mm, budget)
-    _, chosen_mm, chosen_budget = best
+    chosen_mm, chosen_budget = limit, None  # the equal-token rule
+    if policy != "equal_token":
+        longest = int(kseq.max())
+        mm_candidates = [limit] if m_mem is not None else sorted(
+            {int(v) for v in np.geomspace(longest, limit, M_MEM_CANDIDATES)} | {limit})
+        best = None
+        for mm in mm_candidates:
+            b_mem = np.maximum(1, mm // kseq)
+            # budgets at which some bucket's B changes: t(b, S_k) for b = 1..B_mem,k
+            breakpoints = np.unique(np.concatenate([cost.predict(np.arange(1, bm + 1), s) for bm, s in zip(b_mem, kseq)]))
+            if breakpoints.size > MAX_BUDGET_CANDIDATES:
+                breakpoints = np.unique(np.quantile(breakpoints, np.linspace(0, 1, MAX_BUDGET_CANDIDATES)))
+            # a budget just above each breakpoint admits that batch (float rounding), plus memory only
+            for budget in [*(breakpoints * (1 + 1e-9)), None]:
+                b = sizes_for(mm, budget)
+                tps = predicted_throughput(cost, seq, counts, b, world_size, policy)["tokens_per_s"]
+                if best is None or tps > best[0] * (1 + 1e-12):
+                    best = (tps, mm, budget)
+        _, chosen_mm, chosen_budget = best
     b_plan = sizes_for(chosen_mm, chosen_budget)
     b_eq = sizes_for(limit, None)
     plan_pred = predicted_throughput(cost, seq, counts, b_plan, world_size, policy)
-    eq_pred = predicted_throughput(cost, seq, counts, b_eq, world_size, "random")
+    eq_pred = predicted_throughput(cost, seq, counts, b_eq, world_size, "equal_token")
 
     def shares(b):
         bucket, _, mult = batch_mix(counts, b)

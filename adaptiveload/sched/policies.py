@@ -9,10 +9,15 @@
 
 Older spellings (``equal-token``, ``dual-constraint``, ``cost-grouped``, ``random``) are accepted
 for one release: :func:`policy_name` maps them to the current name.
+
+A policy is not the sampler's *step order*: :class:`~adaptiveload.sched.sampler.DualConstraintBucketSampler`
+takes ``policy="random"`` or ``"cost_grouped"`` (:data:`STEP_ORDERS`), how its batches are assigned
+to steps; :func:`step_order` gives the one a policy uses.
 """
 from __future__ import annotations
 
 POLICIES = ("equal_token", "dual", "cost_grouped")
+STEP_ORDERS = ("random", "cost_grouped")
 DEPRECATED_NAMES = {"equal-token": "equal_token", "dual-constraint": "dual", "cost-grouped": "cost_grouped",
                     "random": "dual"}
 
@@ -22,6 +27,11 @@ def policy_name(name: str) -> str:
 
     Raises:
         ValueError: ``name`` is neither (the message lists the current names).
+
+    Example::
+
+        >>> policy_name("random"), policy_name("cost-grouped"), step_order("equal_token"), step_order("cost_grouped")
+        ('dual', 'cost_grouped', 'random', 'cost_grouped')
     """
     if name in POLICIES:
         return name

@@ -17,7 +17,9 @@ Epoch plan (vectorised numpy; 10M samples in about a second, see ``benchmarks/be
 3. the batch count is made a multiple of the world size W: ``drop_last=False`` repeats randomly
    chosen whole batches (their samples are seen twice this epoch), ``drop_last=True`` drops randomly
    chosen batches; so each sample is used exactly once per epoch except for those repeats/drops;
-4. batches are assigned to global steps, one per rank per step, by the policy:
+4. batches are assigned to global steps, one per rank per step, by the step order (the sampler's
+   ``policy`` argument; not a batching policy of :mod:`adaptiveload.sched.policies`, whose
+   :func:`~adaptiveload.sched.policies.step_order` gives the step order each uses):
 
    * ``"random"`` -- batches in random order, W per step: each rank draws an independent random batch
      (as Open-Sora does), so ranks' step costs differ and all wait for the slowest;
@@ -55,11 +57,11 @@ import torch
 
 from adaptiveload.sched.batch_size import dual_constraint_batch_size, equal_token_batch_size, oversized_buckets
 from adaptiveload.sched.cost_model import CostModel
+from adaptiveload.sched.policies import STEP_ORDERS, step_order
 from adaptiveload.sched.shapes import tokens_from_latent
 
 logger = logging.getLogger("adaptiveload.sched")
 
-POLICIES = ("random", "cost_grouped")
 STATE_VERSION = 1
 
 
@@ -87,6 +89,7 @@ class EpochPlan:
 
     @property
     def num_steps(self) -> int:
+        """Global steps in the epoch (the same on every rank)."""
         return int(self.step_batches.shape[0])
 
     def indices(self, batch_id: int) -> np.ndarray:
@@ -204,7 +207,9 @@ class DualConstraintBucketSampler(torch.utils.data.Sampler):
         num_replicas: world size W; default ``torch.distributed.get_world_size()`` (1 if not initialised).
         rank: this rank; default ``torch.distributed.get_rank()`` (0 if not initialised).
         seed: epoch plans depend only on ``(seed, epoch)``; must be equal on all ranks.
-        policy: ``"random"`` or ``"cost_grouped"`` (see the module docstring).
+        policy: the step order, ``"random"`` or ``"cost_grouped"`` (see the module docstring) -- not
+            a batching policy name (``equal_token`` / ``dual`` / ``cost_grouped``, which
+            :meth:`from_plan` maps with :func:`~adaptiveload.sched.policies.step_order`).
         drop_last: drop each bucket's partial batch and drop batches to a multiple of W, instead of
             keeping partial batches and repeating whole batches to a multiple of W.
         cost_model: fitted step-time model; orders batches for ``"cost_grouped"``, and with
@@ -248,8 +253,8 @@ class DualConstraintBucketSampler(torch.utils.data.Sampler):
         patch_size=(1, 2, 2),
     ):
         self.num_replicas, self.rank = _dist_default(num_replicas, rank)
-        if policy not in POLICIES:
-            raise ValueError(f"Invalid policy {policy!r}, policy should be one of {POLICIES}")
+        if policy not in STEP_ORDERS:
+            raise ValueError(f"Invalid policy {policy!r}: the sampler's policy is its step order, one of {STEP_ORDERS}")
         if m_comp is not None and p is None:
             raise ValueError("m_comp needs the exponent p (the compute constraint is B*S^p <= m_comp)")
         if m_comp is not None and step_budget_s is not None:
@@ -295,11 +300,16 @@ class DualConstraintBucketSampler(torch.utils.data.Sampler):
                   drop_last: bool = False):
         """A sampler with the batch-size rule of a :class:`~adaptiveload.sched.plan.Plan`.
 
-        Uses the plan's ``m_mem``, step budget, cost model, policy (unless ``policy`` is given) and
-        ``drop_oversized``. Logs a warning when the world size differs from the one planned for.
+        Uses the plan's ``m_mem``, step budget, cost model and ``drop_oversized``, and the step order
+        of its policy (``step_order(plan.policy)``: ``"cost_grouped"`` for ``cost_grouped``, else
+        ``"random"``) unless ``policy`` (a step order) is given. Logs a warning when the world size
+        differs from the one planned for.
+
+        Raises:
+            ValueError: as the constructor; an unknown plan policy.
         """
         sampler = cls(shapes_or_seq_lens, plan.m_mem, num_replicas=num_replicas, rank=rank, seed=seed,
-                      policy=policy or plan.policy, drop_last=drop_last, cost_model=plan.cost_model,
+                      policy=policy or step_order(plan.policy), drop_last=drop_last, cost_model=plan.cost_model,
                       step_budget_s=plan.step_budget_s, drop_oversized=plan.drop_oversized,
                       patch_size=plan.patch_size)
         if sampler.num_replicas != plan.world_size:

@@ -13,11 +13,12 @@ Metrics, per policy, from per-rank step costs ``c[s, r]`` (seconds) of every ste
 * tokens/s: all tokens trained / sum over steps of ``max_r(c)`` (a step ends with its slowest rank);
 * step time: mean, coefficient of variation across steps, p50 and p95 of ``max_r(c)``.
 
-Policies:
+Policies (:mod:`adaptiveload.sched.policies`), each planned by :func:`make_plan` with that policy and
+replayed by :meth:`DualConstraintBucketSampler.from_plan`:
 
-* ``equal-token`` -- ``B = floor(M_mem_limit / S)``, ranks draw batches independently;
-* ``dual-constraint`` -- the plan's budgets (:func:`make_plan` with ``policy="random"``), ranks draw independently;
-* ``cost-grouped`` -- the plan for ``policy="cost_grouped"``, W batches of similar cost per step.
+* ``equal_token`` -- ``B = floor(M_mem_limit / S)``, ranks draw batches independently;
+* ``dual`` -- the plan's budgets, ranks draw independently;
+* ``cost_grouped`` -- the plan's budgets for W batches of similar cost per step.
 """
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ import numpy as np
 from adaptiveload.sched.calibration import Calibration
 from adaptiveload.sched.cost_model import CostModel
 from adaptiveload.sched.manifest import Manifest
-from adaptiveload.sched.plan import Plan, make_plan, memory_limit
-from adaptiveload.sched.sampler import DualConstraintBucketSampler, bucket_tokens, group_buckets
+from adaptiveload.sched.plan import make_plan
+from adaptiveload.sched.policies import POLICIES, policy_name
+from adaptiveload.sched.sampler import DualConstraintBucketSampler
 
-SIM_POLICIES = ("equal-token", "dual-constraint", "cost-grouped")
 NOISE_FLOOR = 0.05  # multiplicative noise is clipped here so a truth cost never goes non-positive
 
 
@@ -45,6 +46,15 @@ def load_metrics(costs: np.ndarray, tokens: np.ndarray) -> dict:
     Returns:
         dict: ``cv``, ``idle``, ``tokens_per_s``, ``step_time_mean_s``, ``step_time_cv``,
         ``step_time_p50_s``, ``step_time_p95_s``, ``steps`` (formulas in the module docstring).
+
+    Raises:
+        ValueError: ``costs`` not [steps, world_size] with at least one step.
+
+    Example::
+
+        >>> m = load_metrics([[1.0, 3.0], [2.0, 2.0]], [[10, 30], [20, 20]])
+        >>> m["cv"], m["tokens_per_s"], m["step_time_mean_s"], m["steps"]
+        (0.25, 16.0, 2.5, 2)
     """
     costs = np.asarray(costs, dtype=np.float64)
     if costs.ndim != 2 or costs.shape[0] == 0:
@@ -64,7 +74,8 @@ def load_metrics(costs: np.ndarray, tokens: np.ndarray) -> dict:
 
 @dataclass
 class PolicyResult:
-    """Simulation of one policy: its rule (``m_mem``, ``step_budget_s``), and metrics under the plan model and the truth."""
+    """Simulation of one policy (a name of :data:`~adaptiveload.sched.policies.POLICIES`): its rule
+    (``m_mem`` tokens, ``step_budget_s`` seconds or ``None``), and metrics under the plan model and the truth."""
 
     policy: str
     world_size: int
@@ -74,6 +85,7 @@ class PolicyResult:
     truth_metrics: dict
 
     def to_json(self) -> dict:
+        """``policy``, ``world_size``, ``m_mem``, ``step_budget_s``, and the metrics as ``plan`` and ``truth``."""
         return {"policy": self.policy, "world_size": self.world_size, "m_mem": self.m_mem,
                 "step_budget_s": self.step_budget_s, "plan": self.plan_metrics, "truth": self.truth_metrics}
 
@@ -98,7 +110,7 @@ def replay(sampler: DualConstraintBucketSampler, plan_model: CostModel, truth_mo
     return load_metrics(np.concatenate(plan_costs), tokens), load_metrics(np.concatenate(truth_costs), tokens)
 
 
-def simulate(manifest: Manifest, calibration: Calibration, world_size: int, *, policies=SIM_POLICIES,
+def simulate(manifest: Manifest, calibration: Calibration, world_size: int, *, policies=POLICIES,
              truth_model: CostModel | None = None, truth_noise: float = 0.05, memory_budget_bytes=None,
              m_mem=None, drop_oversized: bool = False, epochs: int = 1, seed: int = 0) -> list[PolicyResult]:
     """Plan each policy for ``world_size`` ranks and replay its epochs.
@@ -107,7 +119,8 @@ def simulate(manifest: Manifest, calibration: Calibration, world_size: int, *, p
         manifest: the corpus.
         calibration: the cost model batches are planned with (and the memory model for the limit).
         world_size: ranks W.
-        policies: any of ``"equal-token"``, ``"dual-constraint"``, ``"cost-grouped"``.
+        policies: any of :data:`~adaptiveload.sched.policies.POLICIES` (``"equal_token"``, ``"dual"``,
+            ``"cost_grouped"``); older spellings are mapped by :func:`~adaptiveload.sched.policies.policy_name`.
         truth_model: the cost model to score against (default: the plan model); times ``truth_noise``.
         truth_noise: sigma of the multiplicative Gaussian noise on each truth cost.
         memory_budget_bytes, m_mem, drop_oversized: as :func:`make_plan`.
@@ -115,40 +128,28 @@ def simulate(manifest: Manifest, calibration: Calibration, world_size: int, *, p
         seed: sampler seed and noise seed.
 
     Returns:
-        One :class:`PolicyResult` per policy, in the order given.
+        One :class:`PolicyResult` per policy, in the order given, named by the current policy names.
 
     Raises:
         ValueError: an unknown policy, or as :func:`make_plan`.
     """
-    unknown = [p for p in policies if p not in SIM_POLICIES]
-    if unknown:
-        raise ValueError(f"unknown simulation policy {unknown[0]!r}, expected one of {SIM_POLICIES}")
+    names = [policy_name(p) for p in policies]  # first: an unknown name fails before any planning
     truth_model = truth_model or calibration.cost_model
     shapes = manifest.bucket_keys
     results = []
-    for policy in policies:
-        if policy == "equal-token":
-            keys, _, _ = group_buckets(shapes)
-            limit, _ = memory_limit(calibration, int(bucket_tokens(keys, manifest.patch_size).max()),
-                                    memory_budget_bytes=memory_budget_bytes, m_mem=m_mem)
-            sampler = DualConstraintBucketSampler(shapes, limit, num_replicas=world_size, rank=0, seed=seed,
-                                                  drop_oversized=drop_oversized, patch_size=manifest.patch_size)
-            rule = (limit, None)
-        else:
-            plan: Plan = make_plan(manifest, calibration, world_size, memory_budget_bytes=memory_budget_bytes,
-                                   m_mem=m_mem, drop_oversized=drop_oversized,
-                                   policy="random" if policy == "dual-constraint" else "cost_grouped")
-            sampler = DualConstraintBucketSampler.from_plan(plan, shapes, num_replicas=world_size, rank=0, seed=seed)
-            rule = (plan.m_mem, plan.step_budget_s)
+    for policy in names:
+        plan = make_plan(manifest, calibration, world_size, memory_budget_bytes=memory_budget_bytes, m_mem=m_mem,
+                         drop_oversized=drop_oversized, policy=policy)
+        sampler = DualConstraintBucketSampler.from_plan(plan, shapes, num_replicas=world_size, rank=0, seed=seed)
         plan_m, truth_m = replay(sampler, calibration.cost_model, truth_model, truth_noise=truth_noise,
                                  epochs=epochs, seed=seed)
-        results.append(PolicyResult(policy, int(world_size), int(rule[0]), rule[1], plan_m, truth_m))
+        results.append(PolicyResult(policy, int(world_size), plan.m_mem, plan.step_budget_s, plan_m, truth_m))
     return results
 
 
 def format_results(results: list[PolicyResult]) -> str:
-    """A text table: per policy, plan-model and truth metrics side by side, speedup vs equal-token (truth)."""
-    base = {r.world_size: r.truth_metrics["tokens_per_s"] for r in results if r.policy == "equal-token"}
+    """A text table: per policy, plan-model and truth metrics side by side, speedup vs equal_token (truth)."""
+    base = {r.world_size: r.truth_metrics["tokens_per_s"] for r in results if r.policy == "equal_token"}
     lines = [f"{'W':>5} {'policy':<16} {'M_mem':>8} {'budget ms':>9} | {'CV plan':>7} {'CV true':>7} | "
              f"{'idle plan':>9} {'idle true':>9} | {'tok/s plan':>11} {'tok/s true':>11} {'vs eq-tok':>9} | "
              f"{'step ms':>7} {'step CV':>7} {'p95 ms':>7} {'steps':>7}"]

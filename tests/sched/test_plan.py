@@ -66,7 +66,7 @@ def test_search_beats_every_budget_on_a_fine_grid():
     for budget in [*np.geomspace(0.05, 10.0, 400), None]:
         b = rule_batch_sizes(COST, seq, 151200, budget)
         assert predicted_throughput(COST, seq, counts, b, 8, "random")["tokens_per_s"] <= best * (1 + 1e-9)
-    assert plan.predicted["speedup"] > 1.2  # ANCHORS section 3 regime at W = 8
+    assert plan.predicted["speedup"] > 1.2  # the reference mix at W = 8 (benchmarks/results/simulate_reference_mix.md)
     assert plan.predicted["equal_token_idle"] == pytest.approx(0.37, abs=0.03)
     # table rows follow the rule
     assert [r["batch_size"] for r in plan.buckets] == rule_batch_sizes(COST, seq, plan.m_mem, plan.step_budget_s).tolist()
@@ -121,7 +121,40 @@ def test_bad_arguments():
     m = Manifest.from_seq_lens([100, 200])
     with pytest.raises(ValueError, match="Invalid world_size 0"):
         make_plan(m, _calibration(), 0, m_mem=1000)
-    with pytest.raises(ValueError, match="Invalid policy"):
+    with pytest.raises(ValueError, match="unknown policy 'greedy'; choose one of equal_token, dual, cost_grouped"):
         make_plan(m, _calibration(), 1, m_mem=1000, policy="greedy")
     with pytest.raises(ValueError, match=r"every bucket .* limit of 50 tokens \(given; shortest S = 100\)"):
         make_plan(m, _calibration(), 1, m_mem=50, drop_oversized=True)
+
+
+def test_equal_token_policy_plans_the_equal_token_rule():
+    m = reference_mix(5000, seed=3)
+    plan = make_plan(m, _calibration(), 8, m_mem=151200, policy="equal_token")
+    seq = np.array([r["seq_len"] for r in plan.buckets])
+    counts = np.array([r["num_samples"] for r in plan.buckets])
+    assert (plan.policy, plan.m_mem, plan.step_budget_s) == ("equal_token", 151200, None)
+    assert [r["batch_size"] for r in plan.buckets] == (151200 // seq).tolist()
+    assert [r["batch_size"] for r in plan.buckets] == [r["equal_token_batch_size"] for r in plan.buckets]
+    expected = predicted_throughput(COST, seq, counts, 151200 // seq, 8, "random")
+    assert plan.predicted["tokens_per_s"] == expected["tokens_per_s"] and plan.predicted["speedup"] == 1.0
+    sampler = DualConstraintBucketSampler.from_plan(plan, m.latent_shapes, num_replicas=8, rank=0)
+    assert sampler.policy == "random" and sampler.bucket_batch_sizes.tolist() == (151200 // sampler.bucket_seq_lens).tolist()
+
+
+@pytest.mark.parametrize("old, new, order", [("random", "dual", "random"), ("cost_grouped", "cost_grouped", "cost_grouped"),
+                                             ("dual-constraint", "dual", "random"),
+                                             ("cost-grouped", "cost_grouped", "cost_grouped")])
+def test_old_policy_names_in_make_plan_and_plan_files(old, new, order, tmp_path):
+    m = reference_mix(3000, seed=4)
+    plan = make_plan(m, _calibration(), 4, m_mem=151200, policy=old)
+    assert plan.policy == new
+    assert plan.buckets == make_plan(m, _calibration(), 4, m_mem=151200, policy=new).buckets
+    # a plan file written before the rename (policy "random" or "cost_grouped") loads with the current name
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({**plan.to_json(), "policy": old}))
+    back = Plan.load(path)
+    assert back.policy == new
+    assert DualConstraintBucketSampler.from_plan(back, m.latent_shapes, num_replicas=4, rank=0).policy == order
+    path.write_text(json.dumps({**plan.to_json(), "policy": "greedy"}))
+    with pytest.raises(ValueError, match=r"old\.json: field 'policy': unknown policy 'greedy'"):
+        Plan.load(path)
