@@ -4,7 +4,8 @@ Modules, one job each:
 
 * :mod:`~adaptiveload.sched.shapes` -- pixel / latent / token units and the sequence length S;
 * :mod:`~adaptiveload.sched.batch_size` -- the equal-token and dual-constraint batch-size rules;
-* :mod:`~adaptiveload.sched.cost_model` -- step-time models ``t(B, S)`` and their fit;
+* :mod:`~adaptiveload.sched.policies` -- the batching policies' names (``equal_token``, ``dual``, ``cost_grouped``);
+* :mod:`~adaptiveload.sched.cost_model` -- step-time models ``t(B, S)``, their fit and its warnings;
 * :mod:`~adaptiveload.sched.memory_model` -- peak memory ``m0 + m1*B*S (+ m2*B*S^2)`` and M_mem;
 * :mod:`~adaptiveload.sched.calibration` -- measured points + fitted models, saved as JSON;
 * :mod:`~adaptiveload.sched.presets` -- built-in calibrations (``anchors-wan1.3b``);

@@ -77,7 +77,7 @@ def dual_constraint_batch_size(seq_len, m_mem, m_comp, p):
 
     .. note::
         The rule of the dual-constraint bucketing paper; ``m_comp`` is usually set relative to the
-        longest sequence, e.g. ``1.5 * S_max**p`` (ANCHORS section 3).
+        longest sequence, e.g. ``1.5 * S_max**p``.
 
     Example::
 

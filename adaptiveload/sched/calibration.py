@@ -90,6 +90,14 @@ class Calibration:
         Raises:
             ValueError: a malformed point (named by index), too few ``"ok"`` points for the fit, or
                 (``kind="power"`` / ``"quadratic"`` only) a fit with a zero slope or p at a bound.
+
+        Example::
+
+            >>> pts = [{"batch_size": b, "seq_len": s, "status": "ok", "step_time_s": 0.01 + 1e-6 * b * s}
+            ...        for b in (1, 2, 4) for s in (256, 1024)]
+            >>> cal = Calibration.from_points(pts, settings={}, device="cpu")
+            >>> round(float(cal.cost_model.predict(2, 1000)), 9), cal.cost_model.warning, cal.memory_model
+            (0.012, None, None)
         """
         import torch
 
@@ -128,6 +136,7 @@ class Calibration:
     # ----------------------------------------------------------------------------------- save/load
 
     def to_json(self) -> dict:
+        """The calibration file's content: header, device, settings, both models and the points."""
         return {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -146,6 +155,11 @@ class Calibration:
 
     @classmethod
     def from_json(cls, d: dict, *, where: str = "calibration") -> "Calibration":
+        """Rebuild from :meth:`to_json` output; ``where`` (a path) starts every error message.
+
+        Raises:
+            ValueError: not a calibration, an unsupported version, or a bad field or point.
+        """
         check_header(d, fmt=FORMAT, version=FORMAT_VERSION, what="calibration", where=where,
                      required=("cost_model", "points"))
         try:

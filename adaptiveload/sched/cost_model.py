@@ -60,6 +60,7 @@ class FitStats:
     warnings: list = field(default_factory=list)
 
     def to_json(self) -> dict:
+        """A JSON-serialisable dict of the fields (non-finite floats as ``None``)."""
         return {
             "n_points": self.n_points,
             "r2": _json_float(self.r2),
@@ -71,6 +72,7 @@ class FitStats:
 
     @classmethod
     def from_json(cls, d: dict) -> "FitStats":
+        """Rebuild from :meth:`to_json` output (``None`` floats as NaN; ``warnings`` optional, for older files)."""
         return cls(
             n_points=int(d["n_points"]),
             r2=_float(d.get("r2")),
@@ -206,6 +208,7 @@ class PowerCostModel(CostModel):
 
     @property
     def p_std(self) -> float:
+        """One-sigma uncertainty of p from the fit (NaN when not estimated)."""
         return self.fit.param_std.get("p", float("nan")) if self.fit else float("nan")
 
     def m_comp(self, budget_s: float) -> float:
@@ -461,6 +464,16 @@ def fit_cost_model(batch_sizes, seq_lens, step_times, kind: str = "auto") -> Cos
     .. note::
         Residuals are relative (``(pred - t) / t``): timing noise is roughly proportional to step
         time, and plain least squares would fit the long steps and ignore the short ones.
+
+    Example::
+
+        >>> b, s = [1, 2, 4, 1, 2, 4], [1000, 1000, 1000, 4000, 4000, 4000]
+        >>> m = fit_cost_model(b, s, [0.02 + 3e-6 * x * y for x, y in zip(b, s)], kind="linear")
+        >>> round(m.c0, 9), round(m.c1 * 1e6, 9), m.warning
+        (0.02, 3.0, None)
+        >>> flat = fit_cost_model(b, s, [0.05] * 6)  # times that do not grow with B*S (a loaded machine)
+        >>> flat.kind, len(flat.fit.warnings)
+        ('linear', 1)
     """
     if kind not in ("auto", *FIT_KINDS):
         raise ValueError(f"kind must be one of 'auto', {', '.join(map(repr, FIT_KINDS))}; got {kind!r}")

@@ -61,11 +61,13 @@ class MemoryModel:
         return int(math.floor(usable / per_token))
 
     def to_json(self) -> dict:
+        """A JSON-serialisable dict: ``m0``, ``m1``, ``m2`` (bytes), ``n_points``, ``r2`` (``None`` when NaN)."""
         return {"m0": self.m0, "m1": self.m1, "m2": self.m2, "n_points": self.n_points,
                 "r2": None if not math.isfinite(self.r2) else self.r2}
 
     @classmethod
     def from_json(cls, d: dict) -> "MemoryModel":
+        """Rebuild from :meth:`to_json` output. Raises ValueError: ``m0`` or ``m1`` missing, or invalid values."""
         missing = [k for k in ("m0", "m1") if k not in d]
         if missing:
             raise ValueError(f"memory model: missing field(s) {missing}")
@@ -74,6 +76,7 @@ class MemoryModel:
                    r2=float("nan") if r2 is None else float(r2))
 
     def describe(self) -> str:
+        """One line: the formula in GiB / MiB per token, and R^2 when fitted."""
         text = f"peak = {self.m0 / 2**30:.2f} GiB + {self.m1 / 2**20:.3f} MiB * B*S"
         if self.m2 > 0:
             text += f" + {self.m2:.3g} B * B*S^2"
@@ -93,6 +96,12 @@ class MemoryModel:
 
         Raises:
             ValueError: fewer than 2 points, or a non-positive value.
+
+        Example::
+
+            >>> m = MemoryModel.fit([1, 2, 4], [1000, 1000, 1000], [5e9 + 1e6 * t for t in (1000, 2000, 4000)])
+            >>> round(m.m0 / 1e9, 6), round(m.m1 / 1e6, 6), m.m2
+            (5.0, 1.0, 0.0)
         """
         b = np.asarray(batch_sizes, dtype=np.float64).reshape(-1)
         s = np.asarray(seq_lens, dtype=np.float64).reshape(-1)

@@ -96,14 +96,15 @@ def test_load_errors(tmp_path):
 
 def test_anchors_presets_reproduce_the_published_numbers():
     cal = load_calibration("anchors-wan1.3b")
-    # ANCHORS section 2: equal-token at 32,760 tokens: ~274 ms for an image batch, ~678 ms for a long video
+    # the stored H200 measurements (presets.py): equal-token at 32,760 tokens: ~274 ms for an image batch,
+    # ~678 ms for a long video
     assert cal.cost_model.predict(21, 1560) * 1e3 == pytest.approx(274, abs=2)
     assert cal.cost_model.predict(1, 32760) * 1e3 == pytest.approx(678, abs=1)
     for p in cal.points:  # the quadratic fit is within 4% of every stored point
         assert cal.cost_model.predict(p["batch_size"], p["seq_len"]) == pytest.approx(p["step_time_s"], rel=0.04)
     power = load_calibration("anchors-wan1.3b-power").cost_model
     assert (power.a, power.b, power.p) == (29.3e-3, 2.706e-7, 1.41)
-    # ~1 GiB per 1k tokens (ANCHORS section 3)
+    # ~1 GiB per 1k tokens (presets.py: 1.052 MiB per token)
     assert cal.memory_model.m1 * 1000 / GIB == pytest.approx(1.0, abs=0.05)
     assert set(PRESETS) == {"anchors-wan1.3b", "anchors-wan1.3b-power"}
     with pytest.raises(FileNotFoundError, match="built-in: anchors-wan1.3b"):

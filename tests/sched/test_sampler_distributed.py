@@ -3,6 +3,7 @@ import hashlib
 import socket
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -66,6 +67,7 @@ def _check_policy(world, rank, policy):
     assert int(total.item()) == counts.sum()
 
 
+@pytest.mark.slow  # spawns 3 processes: ~20 s on 2 cores
 def test_all_ranks_agree_with_exact_coverage():
     # one process group of 3 ranks (a world size that divides nothing evenly) checks both policies
     mp.spawn(_worker, args=(3, _free_port()), nprocs=3, join=True)

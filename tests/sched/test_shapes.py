@@ -8,7 +8,7 @@ from adaptiveload.sched import latent_shape, sequence_length, tokens_from_latent
 
 
 def test_wan_anchor_values():
-    # ANCHORS section 4: 81x480x832 -> 32,760; 81x720x1280 -> 75,600; one 480x832 image -> 1,560
+    # Wan 2.1 VAE (4x8x8) and 1x2x2 patches: 81x480x832 -> 32,760; 81x720x1280 -> 75,600; one 480x832 image -> 1,560
     assert sequence_length(81, 480, 832) == 32760
     assert sequence_length(81, 720, 1280) == 75600
     assert sequence_length(1, 480, 832) == 1560
