@@ -28,7 +28,6 @@ call made inside a ``with`` block, and ``torch._dynamo.utils.counters["adaptivel
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import contextvars
 import copy
@@ -55,7 +54,6 @@ _DISABLE_VALUES = {"0": False, "1": True, "false": False, "true": True, "no": Fa
 # the sinks of the enclosing collect_reports() blocks, innermost last (per thread and async task)
 _sinks: contextvars.ContextVar[tuple[list[FusionReport], ...]] = contextvars.ContextVar(
     "adaptiveload_report_sinks", default=())
-_reports: collections.deque = collections.deque(maxlen=64)
 _warned = False
 
 
@@ -81,17 +79,6 @@ def collect_reports() -> Iterator[list[FusionReport]]:
         yield sink
     finally:
         _sinks.reset(token)
-
-
-def last_reports() -> list[FusionReport]:
-    """Deprecated, to be removed: use :func:`collect_reports`. The reports of the most recent
-    backend calls (oldest first; at most 64 kept)."""
-    return list(_reports)
-
-
-def clear_reports() -> None:
-    """Deprecated, to be removed: use :func:`collect_reports`."""
-    _reports.clear()
 
 
 def fusion_disabled() -> bool:
@@ -174,7 +161,6 @@ def _fused_copy(gm: GraphModule) -> GraphModule:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         logger.debug(message, exc_info=True)
         return gm
-    _reports.append(report)
     for sink in _sinks.get():
         sink.append(report)
     if report.seen:
