@@ -28,8 +28,9 @@ import os
 import sys
 
 from adaptiveload.jsonfile import check_header
+from adaptiveload.sched.policies import policy_name
 from adaptiveload.sched.presets import load_calibration
-from adaptiveload.train.job import RESULTS_FORMAT, RESULTS_VERSION
+from adaptiveload.train.results import RESULTS_FORMAT, RESULTS_VERSION
 from results_file import run_context, write_json_and_markdown
 
 GIB = 2**30
@@ -37,7 +38,7 @@ GIB = 2**30
 FLAGS = (("preset", "--preset"), ("num_layers", "--num-layers"), ("samples", "--samples"), ("seed", "--seed"),
          ("calibration", "--calibration"), ("memory_budget_gb", "--memory-budget-gb"), ("m_mem", "--m-mem"),
          ("drop_oversized", "--drop-oversized"), ("activation_checkpointing", "--activation-checkpointing"),
-         ("backend", "--backend"), ("sampler", "--sampler"), ("policy", "--policy"))
+         ("backend", "--backend"), ("policy", "--policy"))
 
 
 def train_command(doc: dict) -> str:
@@ -50,10 +51,27 @@ def train_command(doc: dict) -> str:
     return " ".join([head, *args])
 
 
+def _run_policy(sampler: str, policy: str) -> str:
+    """A version-1 run's batching policy from its "sampler" (dual, equal) and "policy" (random, cost_grouped)."""
+    return "equal_token" if sampler == "equal" else policy_name(policy)
+
+
+def upgrade(doc: dict) -> dict:
+    """A results file of version 1 in the current version's terms (runs and config name the batching
+    policy in "policy"); anything else unchanged."""
+    if not isinstance(doc, dict) or doc.get("format") != RESULTS_FORMAT or doc.get("version") != 1:
+        return doc
+    config = dict(doc["config"])
+    config["policy"] = _run_policy(config.pop("sampler", "dual"), config.get("policy", "random"))
+    runs = [{**{k: v for k, v in run.items() if k != "sampler"}, "policy": _run_policy(run["sampler"], run["policy"])}
+            for run in doc["runs"]]
+    return {**doc, "version": RESULTS_VERSION, "config": config, "runs": runs}
+
+
 def summarize(path: str, slow_factor: float, slow_min_s: float) -> dict:
-    """One row per run of a results file."""
+    """One row per run of a results file (version 1 files are read through :func:`upgrade`)."""
     with open(path) as f:
-        doc = json.load(f)
+        doc = upgrade(json.load(f))
     try:
         check_header(doc, fmt=RESULTS_FORMAT, version=RESULTS_VERSION, what="train results", where=path,
                      required=("runs",))
@@ -66,7 +84,7 @@ def summarize(path: str, slow_factor: float, slow_min_s: float) -> dict:
             "file": os.path.basename(path), "name": run["name"], "command": train_command(doc),
             "device": doc["device"], "torch": doc["torch_version"], "date": doc["date"],
             "world_size": run["world_size"], "backend": run["backend"],
-            "sampler": run["sampler"] + (f" ({run['policy']})" if run["sampler"] == "dual" else ""),
+            "policy": run["policy"],
             "status": run["status"], "steps": run["steps"], "samples": run["samples"], "tokens": run["tokens"],
             "tokens_per_s": run["tokens_per_s"], "predicted_tokens_per_s": _predicted(run),
             "compute_load_cv": run["compute_load_cv"], "idle_fraction": run["idle_fraction"],
@@ -104,11 +122,11 @@ def _step_check(run: dict, calibration, slow_factor: float, slow_min_s: float) -
 
 def _predicted(run: dict):
     predicted = (run.get("plan") or {}).get("predicted") or {}
-    return predicted.get("tokens_per_s") if run["sampler"] == "dual" else predicted.get("equal_token_tokens_per_s")
+    return predicted.get("equal_token_tokens_per_s") if run["policy"] == "equal_token" else predicted.get("tokens_per_s")
 
 
 def table(rows: list[dict], simulated: dict) -> str:
-    lines = ["| W | run | backend | sampler | status | tokens/s | vs baseline | simulated tokens/s (vs eq-tok) | "
+    lines = ["| W | run | backend | policy | status | tokens/s | vs baseline | simulated tokens/s (vs eq-tok) | "
              "compute-load CV (simulated) | idle fraction | peak GiB | eval loss first → last | compiles in timed steps |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     baseline = {}  # per world size: the first run given that trained a step
@@ -117,14 +135,14 @@ def table(rows: list[dict], simulated: dict) -> str:
             baseline.setdefault(r["world_size"], r["tokens_per_s"])
     for r in rows:
         base = baseline.get(r["world_size"], math.nan)
-        sim = simulated.get((r["world_size"], _policy(r)))
+        sim = simulated.get((r["world_size"], r["policy"]))
         sim_text = f"{sim['tokens_per_s']:,.0f} ({sim['speedup']:.2f}×)" if sim else "-"
         cv_text = f"{r['compute_load_cv']:.3f}" + (f" ({sim['cv']:.3f})" if sim else "")
         peak = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
         loss = " → ".join("-" if v is None else f"{v:.4f}" for v in (r["eval_loss_first"], r["eval_loss_last"]))
         measured = r["steps"] > 0  # a run that failed in warm-up has no step to report
         lines.append(
-            f"| {r['world_size']} | {r['name']} | {r['backend']} | {r['sampler']} | {r['status']} | "
+            f"| {r['world_size']} | {r['name']} | {r['backend']} | {r['policy']} | {r['status']} | "
             + (f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.3f}× | " if measured else "- | - | ")
             + f"{sim_text} | " + (f"{cv_text} | {r['idle_fraction']:.3f} | " if measured else "- | - | ")
             + f"{peak} | {loss} | {r['compiled_graphs_in_training']} |")
@@ -140,7 +158,7 @@ def step_table(rows: list[dict], simulated: dict, slow_factor: float, slow_min_s
     for r in rows:
         if "slow_steps" not in r:
             continue
-        sim = simulated.get((r["world_size"], _policy(r)))
+        sim = simulated.get((r["world_size"], r["policy"]))
         median = r["step_time_median_s"]
         median = "-" if median is None or math.isnan(median) else f"{1000 * median:,.0f}"
         median += f" ({1000 * sim['step_time_p50_s']:,.0f})" if sim else ""
@@ -153,20 +171,16 @@ def step_table(rows: list[dict], simulated: dict, slow_factor: float, slow_min_s
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
-def _policy(row: dict) -> str:
-    if row["sampler"].startswith("equal"):
-        return "equal-token"
-    return "cost-grouped" if "cost_grouped" in row["sampler"] else "dual-constraint"
-
-
 def load_simulation(path: str | None) -> dict:
     """``{(world size, policy): {"tokens_per_s", "speedup", "cv", "idle", "step_time_p50_s"}}`` (scored
-    against the simulation's truth) from `adaptiveload simulate --json`."""
+    against the simulation's truth) from `adaptiveload simulate --out` (older files' policy names are mapped)."""
     if not path:
         return {}
     with open(path) as f:
         doc = json.load(f)
-    equal = {row["world_size"]: row["truth"]["tokens_per_s"] for row in doc if row["policy"] == "equal-token"}
+    for row in doc:
+        row["policy"] = policy_name(row["policy"])
+    equal = {row["world_size"]: row["truth"]["tokens_per_s"] for row in doc if row["policy"] == "equal_token"}
     return {(row["world_size"], row["policy"]): {
         "tokens_per_s": row["truth"]["tokens_per_s"], "speedup": row["truth"]["tokens_per_s"] / equal[row["world_size"]],
         "cv": row["truth"]["cv"], "idle": row["truth"]["idle"], "step_time_p50_s": row["truth"]["step_time_p50_s"]}

@@ -9,7 +9,10 @@
 * :mod:`~adaptiveload.train.metrics` -- busy time, compute-load CV, idle fraction;
 * :mod:`~adaptiveload.train.checkpoint` -- DCP checkpoint and resume;
 * :mod:`~adaptiveload.train.setup` -- corpus and step construction shared by the commands;
-* :mod:`~adaptiveload.train.job` -- the train job; :mod:`~adaptiveload.train.report` -- its report;
+* :mod:`~adaptiveload.train.job` -- the train job, in pieces: :mod:`~adaptiveload.train.planning`
+  (calibration, plan, sampler), :mod:`~adaptiveload.train.loop` (warm-up, steps, failures),
+  :mod:`~adaptiveload.train.results` (measurements, ``results.json``), :mod:`~adaptiveload.train.report`
+  (the printed report and plot);
 * :mod:`~adaptiveload.train.diffusers_wan` -- diffusers' ``WanTransformer3DModel`` as a ``--model`` factory;
 * :mod:`~adaptiveload.train.cli` -- the two subcommands.
 """

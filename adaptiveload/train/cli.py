@@ -1,7 +1,7 @@
 """``adaptiveload train`` and ``adaptiveload calibrate``.
 
-    adaptiveload train                                   # tiny model, reference mix, CPU, < 3 minutes
-    adaptiveload train --preset wan2.1-1.3b --baseline   # one GPU, adaptiveload vs Inductor + equal-token
+    adaptiveload train                                   # tiny model, reference mix, CPU, < 1 minute
+    adaptiveload train --preset wan2.1-1.3b --baseline   # one GPU, adaptiveload vs Inductor + equal_token
     torchrun --nproc-per-node 2 -m adaptiveload train --preset wan2.1-1.3b --num-layers 10
     adaptiveload calibrate --preset tiny --out calibration.json
 """
@@ -11,26 +11,11 @@ import argparse
 import logging
 import os
 
+from adaptiveload.cliargs import (choice, deprecated_flag, int_list, non_negative_int, positive_float, positive_int)
+from adaptiveload.sched.policies import DEPRECATED_NAMES, POLICIES
 from adaptiveload.train.distributed import init_distributed
 
 logger = logging.getLogger("adaptiveload.train")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -42,8 +27,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=None, metavar="MODULE:FACTORY",
                        help="your model: a function returning an nn.Module called as model(latents, timestep, context); "
                             "diffusers' Wan: adaptiveload.train.diffusers_wan:wan_1_3b")
-    group.add_argument("--num-layers", type=_positive_int, default=None, help="keep only this many blocks of a preset")
-    group.add_argument("--backend", choices=BACKENDS, default="adaptiveload", help="compile backend (default adaptiveload)")
+    group.add_argument("--num-layers", type=positive_int, default=None, help="keep only this many blocks of a preset")
+    group.add_argument("--backend", choices=BACKENDS, default="adaptiveload", help="compile backend")
     group.add_argument("--inner", choices=INNER_COMPILERS, default=None,
                        help="compiler behind the adaptiveload backend (default: inductor on GPU, eager on CPU)")
     group.add_argument("--activation-checkpointing", choices=CHECKPOINT_MODES, default="auto",
@@ -53,16 +38,16 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                             "the longest sample's activations would not fit in the device's memory "
                             "(not --memory-budget-gb), off on CPU; off")
     group.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
-    group.add_argument("--dist-timeout", type=float, default=300.0,
+    group.add_argument("--dist-timeout", type=positive_float, default=300.0,
                        help="seconds a collective waits for a failed peer before the ranks give up (torchrun)")
     data = p.add_argument_group("data")
     data.add_argument("--manifest", default=None, help="CSV / JSONL / Parquet with num_frames,height,width (default: reference mix)")
-    data.add_argument("--samples", type=_positive_int, default=None,
+    data.add_argument("--samples", type=positive_int, default=None,
                       help="samples: size of the reference mix (default 256), or the first rows of --manifest")
-    data.add_argument("--downscale", type=_positive_int, default=None,
+    data.add_argument("--downscale", type=positive_int, default=None,
                       help="divide heights and widths by this factor (default 8 on CPU, 1 on GPU)")
-    data.add_argument("--seed", type=int, default=0,
-                      help="seed of the corpus, the model's initial weights, the data and the sampler (default 0)")
+    data.add_argument("--seed", type=non_negative_int, default=0,
+                      help="seed of the corpus, the model's initial weights, the data and the sampler")
 
 
 def _model_source(args) -> tuple:
@@ -80,7 +65,7 @@ def run_train(args) -> int:
     cfg = JobConfig(
         preset=preset, model=factory, num_layers=args.num_layers, manifest=args.manifest, samples=args.samples,
         downscale=args.downscale, seed=args.seed, steps=args.steps, backend=args.backend, inner=args.inner,
-        sampler=args.sampler, policy=args.policy, calibration=args.calibration, plan=args.plan,
+        policy="equal_token" if args.sampler == "equal" else args.policy, calibration=args.calibration, plan=args.plan,
         memory_budget_gb=args.memory_budget_gb, m_mem=args.m_mem, drop_oversized=args.drop_oversized,
         activation_checkpointing=args.activation_checkpointing, learning_rate=args.lr, baseline=args.baseline,
         baseline_backend=args.baseline_backend, out=args.out, resume=args.resume, eval_every=args.eval_every,
@@ -117,9 +102,10 @@ def _calibrate_and_write(args, ctx, preset, factory) -> int:
     from adaptiveload.train.calibrate import calibrate, calibration_grid
     from adaptiveload.train.job import default_inner
     from adaptiveload.train.setup import (bucket_shapes, build_step, default_downscale, device_description,
-                                         load_corpus, step_settings)
+                                         load_corpus, set_cpu_threads, step_settings)
     from adaptiveload.train.step import StepConfig
 
+    set_cpu_threads(ctx.device)
     downscale = args.downscale if args.downscale is not None else default_downscale(ctx.device)
     corpus = load_corpus(args.manifest, args.samples, args.seed, downscale)
     shapes = bucket_shapes(corpus)
@@ -145,7 +131,7 @@ def _calibrate_and_write(args, ctx, preset, factory) -> int:
     os.makedirs(out_dir, exist_ok=True)
     calibration.save(args.out)
     png = calibration.plot(os.path.splitext(args.out)[0] + ".png")
-    print(calibration.describe())
+    print(calibration.describe())  # with a warning line when the step-time fit is poor
     for p in run.points:
         time_ms = f"{p['step_time_s'] * 1e3:9.1f} ms" if p["step_time_s"] is not None else f"{p['status']:>12}"
         mem = f"{p['peak_memory_bytes'] / 2**30:7.2f} GiB" if p["peak_memory_bytes"] else ""
@@ -159,39 +145,39 @@ def _calibrate_and_write(args, ctx, preset, factory) -> int:
 
 def add_commands(subparsers) -> None:
     """Add ``train`` and ``calibrate`` to the ``adaptiveload`` command line."""
-    from adaptiveload.sched.sampler import POLICIES
-    from adaptiveload.train.job import SAMPLERS
-
     train = subparsers.add_parser(
         "train", help="train a video DiT with the fused backend and the calibrated bucket sampler",
         description="Calibrate (or load a calibration), plan, and train; print tokens/s, load balance, memory "
                     "and eval loss. With no arguments: the tiny model on the reference mix, on the CPU.")
     _add_model_options(train)
     run = train.add_argument_group("run")
-    run.add_argument("--steps", type=_positive_int, default=None, help="global steps (default: one epoch)")
-    run.add_argument("--sampler", choices=SAMPLERS, default="dual", help="dual-constraint (default) or equal-token")
-    run.add_argument("--policy", choices=POLICIES, default="random", help="step policy of the dual sampler")
+    run.add_argument("--steps", type=positive_int, default=None, help="global steps (default: one epoch)")
+    run.add_argument("--policy", type=choice("--policy", POLICIES, DEPRECATED_NAMES), default="dual",
+                     metavar="{" + ",".join(POLICIES) + "}",
+                     help="batching policy: equal_token (B = M_mem/S), dual (the dual-constraint rule), cost_grouped "
+                          "(dual, and each step's batches of similar cost)")
+    run.add_argument("--sampler", dest="sampler", choices=("dual", "equal"), action=deprecated_flag("--policy"))
     run.add_argument("--calibration", default=None,
                      help="calibration.json or a built-in name (default: a quick calibration with the run's own step)")
     run.add_argument("--plan", default=None, help="a plan JSON from `adaptiveload plan` (must match the world size)")
-    run.add_argument("--memory-budget-gb", type=float, default=None, help="memory budget to plan for (default: the GPU's)")
-    run.add_argument("--m-mem", type=_positive_int, default=None, help="fixed tokens per batch instead of planning it")
+    run.add_argument("--memory-budget-gb", type=positive_float, default=None, help="memory budget to plan for (default: the GPU's)")
+    run.add_argument("--m-mem", type=positive_int, default=None, help="fixed tokens per batch instead of planning it")
     run.add_argument("--drop-oversized", action="store_true", help="drop buckets longer than the memory limit")
-    run.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    run.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate")
     run.add_argument("--baseline", action="store_true",
-                     help="also run equal-token + plain torch.compile (Inductor; eager on CPU) and compare")
+                     help="also run equal_token + plain torch.compile (Inductor; eager on CPU) and compare")
     run.add_argument("--baseline-backend", default=None, help="compile backend of the baseline run")
     run.add_argument("--out", default="adaptiveload-train", help="output folder (results.json, results.png, checkpoints)")
     run.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    run.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
-    run.add_argument("--eval-every", type=_positive_int, default=10, help="evaluate the fixed batch every N steps")
-    run.add_argument("--eval-samples", type=_positive_int, default=4, help="samples in the fixed evaluation batch")
-    run.add_argument("--profile-every", type=int, default=5, help="profile every N-th step for busy time (0: never)")
-    run.add_argument("--workers", type=int, default=0,
+    run.add_argument("--checkpoint-every", type=non_negative_int, default=0, help="save a checkpoint every N steps (0: never)")
+    run.add_argument("--eval-every", type=positive_int, default=10, help="evaluate the fixed batch every N steps")
+    run.add_argument("--eval-samples", type=positive_int, default=4, help="samples in the fixed evaluation batch")
+    run.add_argument("--profile-every", type=non_negative_int, default=5, help="profile every N-th step for busy time (0: never)")
+    run.add_argument("--workers", type=non_negative_int, default=0,
                      help="DataLoader worker processes drawing the synthetic samples on the CPU (then pinned and "
-                          "copied to the device); default 0: drawn on the training device itself. CPU and GPU draws "
+                          "copied to the device); 0: drawn on the training device itself. CPU and GPU draws "
                           "give different sample values: published GPU runs used 0")
-    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    run.add_argument("--quiet", action="store_true", help="no progress bars and no profiler lines")
     train.set_defaults(func=run_train)
 
     cal = subparsers.add_parser(
@@ -199,10 +185,10 @@ def add_commands(subparsers) -> None:
         description="Writes calibration.json (points, fits, settings) and a PNG of measured vs predicted time.")
     _add_model_options(cal)
     grid = cal.add_argument_group("grid")
-    grid.add_argument("--shapes", type=_positive_int, default=5, help="bucket shapes to measure, spread over S")
-    grid.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16], help="comma-separated, e.g. 1,2,4,8")
-    grid.add_argument("--max-tokens", type=_positive_int, default=None, help="skip points with B*S above this")
-    grid.add_argument("--warmup", type=int, default=2, help="untimed steps per point")
-    grid.add_argument("--repeats", type=_positive_int, default=5, help="timed steps per point (median)")
-    grid.add_argument("--out", default="calibration.json")
+    grid.add_argument("--shapes", type=positive_int, default=5, help="bucket shapes to measure, spread over S")
+    grid.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8, 16], help="comma-separated, e.g. 1,2,4,8")
+    grid.add_argument("--max-tokens", type=positive_int, default=None, help="skip points with B*S above this")
+    grid.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps per point")
+    grid.add_argument("--repeats", type=positive_int, default=5, help="timed steps per point (median)")
+    grid.add_argument("--out", default="calibration.json", help="the calibration JSON to write (a PNG beside it)")
     cal.set_defaults(func=run_calibrate)

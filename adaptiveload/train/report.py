@@ -30,7 +30,7 @@ def _rows(run: dict) -> list[tuple[str, str]]:
     predicted = (run.get("plan") or {}).get("predicted") or {}
     return [
         ("backend", run["backend"]),
-        ("sampler (policy)", f"{run['sampler']} ({run['policy']})"),
+        ("policy", run["policy"]),
         ("status", run["status"]),
         ("steps", _fmt(run.get("steps"), "int")),
         ("samples", _fmt(run.get("samples"), "int")),
@@ -53,8 +53,8 @@ def _rows(run: dict) -> list[tuple[str, str]]:
         ("eval loss first -> last", f"{_fmt(run['eval_loss'][0][1], '')} -> {_fmt(run.get('final_eval_loss'), '')}"
          if run.get("eval_loss") else "-"),
         ("plan M_mem tokens", _fmt((run.get("plan") or {}).get("m_mem"), "int")),
-        ("predicted tokens/s", _fmt(predicted.get("tokens_per_s") if run["sampler"] == "dual"
-                                    else predicted.get("equal_token_tokens_per_s"), "rate")),
+        ("predicted tokens/s", _fmt(predicted.get("equal_token_tokens_per_s") if run["policy"] == "equal_token"
+                                    else predicted.get("tokens_per_s"), "rate")),
         ("warm-up / compile s", _fmt(run.get("warmup_s"), "")),
     ]
 

@@ -10,11 +10,17 @@ not fit on the device next to the weights and optimizer state. The estimate is 7
 per model channel per layer (ANCHORS §2: a 10-layer, 1536-channel Wan model uses ~1 GiB per 1k
 tokens without checkpointing, bf16), and weights + gradients + AdamW state take 16 bytes per
 parameter (float32). Off on CPU.
+
+CPU threads: a CPU job runs torch's intra-op work on one thread unless ``OMP_NUM_THREADS`` is set.
+The CPU models' operations are too small to gain from more, and OpenMP threads that spin-wait for a
+core another process holds collapse under a competing load: on a 2-core machine with both cores
+busy, the default run's compile warm-up took 57.9 s with torch's default 2 threads and 4.5 s with 1.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,6 +39,14 @@ ACTIVATION_BYTES_PER_TOKEN_CHANNEL_LAYER = 70  # ANCHORS §2: ~1 GiB per 1k toke
 TRAINING_STATE_BYTES_PER_PARAM = 16  # float32 weights, gradients, AdamW exp_avg and exp_avg_sq
 CHECKPOINT_MODES = ("auto", "on", "off")
 DEFAULT_SAMPLES = 256  # size of the reference mix when --samples is not given
+CPU_THREADS = 1  # torch intra-op threads of a CPU job without OMP_NUM_THREADS (module docstring)
+
+
+def set_cpu_threads(device: torch.device) -> None:
+    """On CPU, run torch's intra-op work on :data:`CPU_THREADS` threads unless ``OMP_NUM_THREADS``
+    is set (module docstring); nothing on GPU."""
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(CPU_THREADS)
 
 
 def load_corpus(manifest: Optional[str], num_samples: Optional[int], seed: int, downscale: int,
@@ -56,11 +70,7 @@ def load_corpus(manifest: Optional[str], num_samples: Optional[int], seed: int, 
     corpus = load_manifest(manifest, vae_stride=stride, patch_size=patch_size)
     if corpus.latent_shapes is None:
         raise ValueError(f"{manifest}: training needs num_frames,height,width columns (seq_len alone gives no tensor shape)")
-    if num_samples is not None and num_samples < len(corpus):
-        corpus = Manifest(corpus.seq_lens[:num_samples], corpus.latent_shapes[:num_samples],
-                          None if corpus.pixel_shapes is None else corpus.pixel_shapes[:num_samples],
-                          corpus.vae_stride, corpus.patch_size, f"{corpus.source} (first {num_samples} rows)")
-    return corpus
+    return corpus if num_samples is None else corpus.head(num_samples)
 
 
 def default_downscale(device: torch.device) -> int:

@@ -34,6 +34,7 @@ def _calibrate_args(out, *extra):
             "--warmup", "1", "--repeats", "2", "--out", out, *extra)
 
 
+@pytest.mark.slow
 def test_calibrate_cli_writes_a_valid_calibration(tmp_path, run_cli):
     out = tmp_path / "cal" / "calibration.json"
     proc = run_cli(*_calibrate_args(out))
@@ -48,6 +49,7 @@ def test_calibrate_cli_writes_a_valid_calibration(tmp_path, run_cli):
     assert "wrote" in proc.stdout
 
 
+@pytest.mark.slow
 def test_calibrate_records_out_of_memory_and_continues(tmp_path, run_cli):
     out = tmp_path / "calibration.json"
     proc = run_cli("calibrate", "--model", "faulty_model:oom_over_1000_tokens", "--backend", "eager", "--shapes", "3",
@@ -60,6 +62,7 @@ def test_calibrate_records_out_of_memory_and_continues(tmp_path, run_cli):
     assert status[(4, 162)] == "ok" and status[(1, 18)] == "ok"  # the sweep went on around it
 
 
+@pytest.mark.slow
 def test_failure_on_one_rank_does_not_hang_the_others(tmp_path, run_cli):
     """Rank 1 fails at the second shape while rank 0 waits in an FSDP2 all-gather: rank 0 times out,
     both ranks agree on the failure, stop the sweep and exit; nothing hangs."""

@@ -1,9 +1,7 @@
 """The ``adaptiveload train`` job end to end: the CPU default run (short), two ranks under torchrun,
 kill-and-resume, an out-of-memory bucket on one rank, and bad input."""
 import json
-import logging
 import math
-import os
 
 import numpy as np
 import pytest
@@ -54,6 +52,7 @@ def _check_run(run, world_size, steps):
     assert run["compile_steps"] == [h["step"] for h in history if h["compiled"]]
 
 
+@pytest.mark.slow
 def test_default_cpu_run_end_to_end(tmp_path, run_cli):
     """The README's first command (shortened with --samples/--steps): every report field is filled."""
     out = tmp_path / "out"
@@ -64,19 +63,21 @@ def test_default_cpu_run_end_to_end(tmp_path, run_cli):
     assert results["corpus"]["samples"] == 48 and results["corpus"]["seq_len_max"] <= 1050
     (run,) = results["runs"]
     _check_run(run, world_size=1, steps=6)
-    assert run["backend"] == "adaptiveload(eager)" and run["sampler"] == "dual" and run["policy"] == "random"
+    assert run["backend"] == "adaptiveload(eager)" and run["policy"] == "dual"
     # per forward: 2 chains in each of the 2 compiled blocks; the head's chain runs in the eager root
     assert run["fused_chains"] == run["seen_chains"] == 4
     assert 1 <= run["compiled_graphs"] <= 2  # blocks: one graph per batch-size class (B = 1 or not), not per bucket
     assert run["compiled_graphs_in_training"] == 0 and run["compile_steps"] == []  # all compiled in warm-up
     assert run["compute_load_cv"] == 0 and run["idle_fraction"] == 0  # one rank
     assert (out / "calibration.json").is_file() and (out / "results.png").is_file()
+    assert "profiler_start" not in proc.stderr  # --quiet silences Kineto's lines too
     for label in ("tokens/s", "compute-load CV", "idle fraction", "peak memory GiB", "fused chains / seen",
                   "eval loss first -> last", "step time ms median", "busy ms per rank"):
         assert label in proc.stdout
     assert "adaptiveload+dual" in proc.stdout and "results:" in proc.stdout
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_run_fuses_inside_checkpointed_blocks(tmp_path, run_cli):
     """--activation-checkpointing on: the quick calibration compiles each graph inside a checkpointed
     block (its recomputation must match: every calibration point runs), every chain is still fused,
@@ -92,6 +93,7 @@ def test_activation_checkpointing_run_fuses_inside_checkpointed_blocks(tmp_path,
     assert run["fused_chains"] == run["seen_chains"] == 4 and run["compiled_graphs_in_training"] == 0
 
 
+@pytest.mark.slow
 def test_two_ranks_with_activation_checkpointing_and_inductor(tmp_path, run_cli):
     """FSDP2 + activation checkpointing + Inductor, every batch kind compiled in warm-up. With the
     checkpoint taken around the block call, the recomputation re-entered the compiled forward with
@@ -106,6 +108,7 @@ def test_two_ranks_with_activation_checkpointing_and_inductor(tmp_path, run_cli)
     assert run["compiled_graphs_in_training"] == 0
 
 
+@pytest.mark.slow
 def test_two_ranks_finish_together_with_complete_metrics(tmp_path, run_cli):
     out = tmp_path / "out"
     args = ("--samples", "48", "--eval-every", "3", "--profile-every", "2", "--quiet", "--backend", "eager")
@@ -116,7 +119,7 @@ def test_two_ranks_finish_together_with_complete_metrics(tmp_path, run_cli):
     main, baseline = results["runs"]
     _check_run(main, world_size=2, steps=main["steps_per_epoch"])
     _check_run(baseline, world_size=2, steps=baseline["steps_per_epoch"])
-    assert baseline["sampler"] == "equal" and baseline["backend"] == "eager"
+    assert baseline["policy"] == "equal_token" and baseline["backend"] == "eager"
     assert main["eval_loss"][0] == baseline["eval_loss"][0]  # same initial weights, same evaluation batch
     for run in (main, baseline):  # one epoch covers every sample (a few whole batches repeat to fill W)
         seen = [i for h in run["history"] for rank in h["indices"] for i in rank]
@@ -136,6 +139,7 @@ def _model_tensors(run_dir):
     return state
 
 
+@pytest.mark.slow
 def test_kill_and_resume_continues_the_sample_stream_and_model_exactly(tmp_path, run_cli):
     args = ("--samples", "40", "--backend", "eager", "--eval-every", "2", "--profile-every", "0",
             "--checkpoint-every", "1", "--quiet")
@@ -155,6 +159,7 @@ def test_kill_and_resume_continues_the_sample_stream_and_model_exactly(tmp_path,
         assert torch.equal(wa[name], wb[name]), name
 
 
+@pytest.mark.slow
 def test_out_of_memory_in_a_bucket_names_it_and_keeps_results(tmp_path, run_cli):
     """Rank 1 runs out of memory on long videos: every rank stops, the message names the bucket and B."""
     out = tmp_path / "out"
@@ -169,6 +174,7 @@ def test_out_of_memory_in_a_bucket_names_it_and_keeps_results(tmp_path, run_cli)
     assert run["steps"] == len(run["history"])  # the steps before the failure are kept
 
 
+@pytest.mark.slow
 def test_non_finite_gradient_in_a_bucket_names_it_and_keeps_the_weights(tmp_path, run_cli):
     """A NaN gradient at one shape stops the run in warm-up (which covers the longest bucket) with the
     bucket, B and the parameter named; nothing is written into the weights."""
@@ -211,84 +217,16 @@ def test_bad_manifest_row_is_named(tmp_path, run_cli):
     assert proc.returncode == 2 and "bad.csv" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_warm_up_batches_one_per_batch_kind_cheapest_first():
-    from adaptiveload.train.job import warm_up_batches
-
-    keys = np.array([[1, 4, 4], [1, 8, 8], [3, 4, 4]])
-    # bucket 0: full batches of 8 and a partial one of 3; bucket 1: B = 1; bucket 2: B = 2 and 1.
-    # B * T*H*W: 8*16 = 128, 3*16 = 48, 1*64 = 64, 2*48 = 96, 1*48 = 48 (ties by (B, shape))
-    kinds = np.array([[0, 8], [0, 3], [1, 1], [2, 2], [2, 1]])
-    assert warm_up_batches(keys, kinds) == [(1, (3, 4, 4)), (3, (1, 4, 4)), (1, (1, 8, 8)), (2, (3, 4, 4)), (8, (1, 4, 4))]
-    assert warm_up_batches(keys, np.zeros((0, 2), dtype=np.int64)) == []
-
-
-def test_a_calibration_of_another_setup_is_warned_about(caplog):
-    """A loaded calibration whose model, depth or checkpointing differ from the run's: one warning
-    naming each difference; the built-in calibrations (prose settings) are not compared."""
-    from adaptiveload.sched.presets import load_calibration
-    from adaptiveload.train.job import _warn_if_calibrated_otherwise
-
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    calibration = load_calibration(os.path.join(repo, "benchmarks/results/train_h200/calib_ckpt.json"))
-    run = {"model": "tiny", "num_layers": 2, "activation_checkpointing": False}
-    with caplog.at_level(logging.WARNING, logger="adaptiveload.train"):
-        _warn_if_calibrated_otherwise(calibration, run)
-    (record,) = caplog.records
-    for text in ("model: calibrated 'wan2.1-1.3b', this run 'tiny'", "num_layers: calibrated 10, this run 2",
-                 "activation_checkpointing: calibrated True, this run False"):
-        assert text in record.getMessage()
-    caplog.clear()
-    _warn_if_calibrated_otherwise(calibration, dict(calibration.settings))  # the same setup: silent
-    _warn_if_calibrated_otherwise(load_calibration("anchors-wan1.3b"), run)  # built-in
-    assert not caplog.records
-
-
-def test_a_step_that_compiles_is_flagged():
-    """_one_step flags a step during which Dynamo compiled a graph (its time counts in tokens/s): the
-    first call of a compiled function at a new shape class compiles, the same shape again does not."""
-    from types import SimpleNamespace
-
-    from adaptiveload.train.data import Batch
+@pytest.mark.parametrize("given, policy", [("dual", "dual"), ("cost_grouped", "cost_grouped"),
+                                           ("equal_token", "equal_token"), ("random", "dual"),
+                                           ("equal-token", "equal_token"), ("cost-grouped", "cost_grouped")])
+def test_job_config_takes_every_policy_spelling(given, policy):
+    from adaptiveload.train.job import JobConfig, RunSpec, job_runs
     from adaptiveload.train.distributed import DistContext
-    from adaptiveload.train.job import _one_step
 
-    torch._dynamo.reset()
-    square_sum = torch.compile(lambda x: (x * x).sum(), backend="eager", dynamic=False)
-
-    class Step:  # the parts of TrainStep that _one_step uses
-        device = torch.device("cpu")
-        module = SimpleNamespace(config=SimpleNamespace(patch_size=(1, 1, 1)))
-        optimizer = None
-
-        def __call__(self, batch, global_samples):
-            return square_sum(batch.latents) / global_samples
-
-        def synchronize(self):
-            pass
-
-    def batch(b, t):
-        latents = torch.ones(b, 1, t, 2, 2)
-        return Batch(torch.arange(b), latents, torch.zeros(b, 1, 1), latents, torch.zeros(b))
-
-    batches = iter([batch(2, 3), batch(2, 3), batch(2, 5)])
-    flags = [_one_step(Step(), batches, DistContext(), i, profile=False)[0]["compiled"] for i in range(3)]
-    assert flags == [True, False, True]  # static shapes: a new T compiles again
-
-
-def test_failure_message_reads_each_rank_row():
-    """The per-step row (columns: _StepRow) of each failing rank becomes its bucket shape, S and B;
-    a rank with status 0 is left out; OOM and non-finite add their advice."""
-    from adaptiveload.train.job import _failure_message
-
-    nan = float("nan")
-    rows = np.array([  # status, wall, busy, loss, compiled, B, S, T, H, W
-        [1, 2.0, nan, nan, 0, 3, 32760, 21, 60, 104],
-        [0, 2.0, nan, 1.5, 0, 8, 1560, 1, 60, 104],
-        [4, 2.0, nan, 3.9, 1, 1, 75600, 21, 90, 160],
-    ])
-    text = _failure_message(rows, ["CUDA out of memory", "", "loss 3.9"], 7)
-    assert text.startswith("step 7: rank 0 ran out of memory on bucket latent 21x60x104 (S=32,760) with B=3 "
-                           "(CUDA out of memory); rank 2 got a non-finite loss or gradient on bucket latent "
-                           "21x90x160 (S=75,600) with B=1 (loss 3.9)")
-    assert "rank 1" not in text
-    assert "compare the same bucket under --backend eager" in text and "recalibrate with a smaller memory budget" in text
+    cfg = JobConfig(policy=given, baseline=True)
+    assert cfg.policy == policy
+    assert job_runs(cfg, DistContext()) == [RunSpec(f"adaptiveload+{policy}", "adaptiveload", "eager", policy),
+                                            RunSpec("baseline:eager+equal_token", "eager", "eager", "equal_token")]
+    with pytest.raises(ValueError, match="unknown policy 'fast'; choose one of equal_token, dual, cost_grouped"):
+        JobConfig(policy="fast")

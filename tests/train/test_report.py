@@ -3,7 +3,7 @@ from adaptiveload.train.report import _rows
 
 
 def _run(**fields):
-    return {"backend": "adaptiveload(inductor)", "sampler": "dual", "policy": "random", "status": "ok", **fields}
+    return {"backend": "adaptiveload(inductor)", "policy": "dual", "status": "ok", **fields}
 
 
 def test_compiles_in_timed_steps_name_their_steps():

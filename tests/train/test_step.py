@@ -243,6 +243,7 @@ _GRAD_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", "adaptiveload"])
 def test_fsdp2_gradients_match_one_process(tmp_path, run_script, backend):
     """2 ranks (gloo, FSDP2) with 3 and 1 samples give the gradient one process computes on all 4."""

@@ -46,12 +46,26 @@ def test_slow_steps_are_those_over_the_factor_and_the_margin(summarize_train):
 def test_a_failed_first_run_is_not_the_baseline(summarize_train):
     """The first run that trained a step is the baseline; a run that failed in warm-up shows '-'."""
     def row(name, steps, tokens_per_s):
-        return {"world_size": 2, "name": name, "backend": "b", "sampler": "equal", "status": "ok" if steps else "failed",
+        return {"world_size": 2, "name": name, "backend": "b", "policy": "equal_token", "status": "ok" if steps else "failed",
                 "steps": steps, "tokens_per_s": tokens_per_s, "compute_load_cv": 0.1, "idle_fraction": 0.1,
                 "peak_memory_gib": None, "eval_loss_first": None, "eval_loss_last": None,
                 "compiled_graphs_in_training": 0}
 
     text = summarize_train.table([row("failed", 0, float("nan")), row("base", 3, 100.0), row("other", 3, 150.0)], {})
     lines = text.splitlines()[2:]
-    assert "| failed | b | equal | failed | - | - |" in lines[0]
+    assert "| failed | b | equal_token | failed | - | - |" in lines[0]
     assert "| 100 | 1.000× |" in lines[1] and "| 150 | 1.500× |" in lines[2]
+
+
+@pytest.mark.parametrize("name, policy, command", [
+    ("x2_cost_grouped.json", "cost_grouped", "--policy cost_grouped"),
+    ("x2_dual.json", "dual", "--policy dual"),
+    ("x2_baseline.json", "equal_token", "--policy equal_token"),
+])
+def test_results_of_version_1_read_in_the_current_policy_names(summarize_train, name, policy, command):
+    """Files written before the one policy vocabulary ("sampler" dual/equal + "policy" random/cost_grouped)."""
+    path = os.path.join(REPO, "benchmarks/results/train_h200", name)
+    with open(path) as f:
+        assert json.load(f)["version"] == 1
+    (row,) = summarize_train.summarize(path, 2.0, 5.0)
+    assert row["policy"] == policy and command in row["command"] and "--sampler" not in row["command"]

@@ -1,0 +1,274 @@
+"""The step loop of one training run, and what happens when a step fails.
+
+Per step every rank fetches its batch, the ranks agree on the global sample count (the loss is
+normalised by it), train, and then exchange one row each (:class:`StepRow`): status, wall time, busy
+time (every ``profile_every``-th step, over the control group; see :mod:`adaptiveload.train.metrics`),
+loss, whether Dynamo compiled during the step, and the batch's B, S and latent shape.
+
+Failure protocol: a step that fails on any rank (out of memory in a bucket, an exception, a
+non-finite loss or gradient, or a collective that timed out because a peer failed) makes every rank
+raise :class:`StepFailed` with one message naming each failing rank's bucket shape and batch size.
+The run's state then holds the steps before it; the caller records them and stops.
+
+Compile happens before timing (:func:`warm_up`): one frozen-weight step per kind of batch the
+sampler yields (:func:`warm_up_batches`); a step that compiled anyway is flagged (``compiled``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from adaptiveload.sched.sampler import DualConstraintBucketSampler
+from adaptiveload.train.data import Batch, collate, synthetic_batch
+from adaptiveload.train.distributed import DistContext
+from adaptiveload.train.metrics import busy_time_s
+from adaptiveload.train.step import NonFiniteStep, TrainStep
+
+logger = logging.getLogger("adaptiveload.train")
+
+KINETO_LOG_LEVEL_ENV = "KINETO_LOG_LEVEL"
+KINETO_SILENT = "6"  # Kineto's level above every message: hides its profiler_start/stop lines on stderr
+
+
+class StepRow:
+    """Columns of the row every rank contributes per step (:func:`one_step`): status (0 ok, 1 out of
+    memory, 2 failed, 3 timed out waiting, 4 non-finite), wall s, busy s, loss, compiled (0/1), B, S,
+    latent T, H, W."""
+    status, wall, busy, loss, compiled, batch_size, seq_len = range(7)
+    latent_shape = slice(7, 10)
+
+
+class StepFailed(RuntimeError):
+    """A step failed on some rank; the message names the ranks, bucket shapes and batch sizes."""
+
+
+@dataclass
+class RunState:
+    """Progress of a run, saved in checkpoints."""
+
+    step: int = 0
+    epoch: int = 0
+    consumed_in_epoch: int = 0
+    train_wall_s: float = 0.0
+    history: list = field(default_factory=list)
+    evals: list = field(default_factory=list)
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def step_patch(step: TrainStep) -> tuple:
+    """The model's patch size (from its config; Wan's 1x2x2 when the model has none)."""
+    config = getattr(step.module, "config", None)
+    patch = getattr(config, "patch_size", None) if config is not None else None
+    return tuple(patch) if patch else (1, 2, 2)
+
+
+@contextmanager
+def quiet_profiler(quiet: bool):
+    """With ``quiet``, silence Kineto's own stderr lines (``profiler_start`` / ``profiler_stop`` at
+    every profiled step) unless ``KINETO_LOG_LEVEL`` is set by the user; restored on exit."""
+    if not quiet or KINETO_LOG_LEVEL_ENV in os.environ:
+        yield
+        return
+    os.environ[KINETO_LOG_LEVEL_ENV] = KINETO_SILENT
+    try:
+        yield
+    finally:
+        os.environ.pop(KINETO_LOG_LEVEL_ENV, None)
+
+
+def failure_message(rows: np.ndarray, messages: list, step_index: int) -> str:
+    """One message for a failed step from every rank's :class:`StepRow` and message (ranks with
+    status 0 are left out; out of memory and non-finite values add what to do)."""
+    parts = []
+    for rank, row in enumerate(rows):
+        status = int(row[StepRow.status])
+        if status == 0:
+            continue
+        shape = "x".join(str(int(v)) for v in row[StepRow.latent_shape])
+        what = {1: "ran out of memory", 2: "failed", 3: "gave up waiting for a failed rank (collective timed out)",
+                4: "got a non-finite loss or gradient"}[status]
+        parts.append(f"rank {rank} {what} on bucket latent {shape} (S={int(row[StepRow.seq_len]):,}) "
+                     f"with B={int(row[StepRow.batch_size])}"
+                     + (f" ({messages[rank]})" if messages[rank] else ""))
+    text = f"step {step_index}: " + "; ".join(parts)
+    if (rows[:, StepRow.status] == 4).any():
+        text += ("; the weights are unchanged; compare the same bucket under --backend eager to tell a "
+                 "model problem from a compiler one")
+    if (rows[:, StepRow.status] == 1).any():
+        text += ("; recalibrate with a smaller memory budget (adaptiveload train --memory-budget-gb ..., or "
+                 "adaptiveload calibrate) or turn on activation checkpointing")
+    return text
+
+
+def one_step(step: TrainStep, batches: Iterator[Batch], ctx: DistContext, index: int,
+             profile: bool) -> tuple[dict, Optional[str]]:
+    """Fetch, agree on the global sample count, train, agree on the outcome.
+
+    Returns:
+        ``(record, None)`` with the step's record (every rank's B, S and sample indices, the slowest
+        rank's wall time, busy time per rank when profiled, the mean loss, ``compiled``), or
+        ``({}, message)`` when the step failed on some rank (:func:`failure_message`).
+    """
+    start = time.perf_counter()
+    batch = next(batches)
+    shape = batch.latent_shape
+    seq_len = int(np.prod(shape)) // int(np.prod(step_patch(step)))
+    counts = ctx.all_gather([len(batch), len(batch) * seq_len]).sum(axis=0)
+    status, message, loss, profiler = 0, "", float("nan"), None
+    graphs_before = compiled_graphs()
+    try:
+        if profile:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if step.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=activities) as profiler:
+                loss = float(step(batch, int(counts[0])))
+                step.synchronize()
+        else:
+            loss = float(step(batch, int(counts[0])))
+            step.synchronize()
+    except NonFiniteStep as err:
+        status, message = 4, str(err)
+    except torch.OutOfMemoryError as err:
+        status, message = 1, str(err).splitlines()[0][:200]
+        step.optimizer.zero_grad(set_to_none=True)
+    except Exception as err:  # noqa: BLE001 - reported to every rank, then the run stops
+        logger.exception("rank %d: step on latent %s with B=%d failed", ctx.rank, "x".join(map(str, shape)), len(batch))
+        text = str(err).splitlines()[0][:200] if str(err) else ""
+        waited = isinstance(err, torch.distributed.DistError) or "timed out" in text.lower()
+        status, message = (3 if waited else 2), f"{type(err).__name__}: {text}"
+        step.optimizer.zero_grad(set_to_none=True)
+    wall = time.perf_counter() - start
+    busy = busy_time_s(profiler, step.device, wall) if profiler is not None and status == 0 else float("nan")
+    compiled = compiled_graphs() > graphs_before
+    rows = ctx.all_gather([status, wall, busy, loss, float(compiled), len(batch), seq_len, *shape]).numpy()
+    if rows[:, StepRow.status].max() > 0:
+        return {}, failure_message(rows, ctx.all_gather_object(message), index)
+    return {
+        "global_samples": int(counts[0]), "global_tokens": int(counts[1]),
+        "step_time_s": float(rows[:, StepRow.wall].max()),
+        "busy_s": None if np.isnan(rows[:, StepRow.busy]).any() else rows[:, StepRow.busy].tolist(),
+        "loss": float(rows[:, StepRow.loss].sum() / counts[0]),
+        "compiled": bool(rows[:, StepRow.compiled].any()),  # a rank compiled a graph here (its time counts)
+        "batch_sizes": rows[:, StepRow.batch_size].astype(int).tolist(),
+        "seq_lens": rows[:, StepRow.seq_len].astype(int).tolist(),
+        "indices": ctx.all_gather_object(batch.indices.tolist()),
+    }, None
+
+
+def warm_up_batches(bucket_keys: np.ndarray, batch_kinds: np.ndarray) -> list[tuple[int, tuple]]:
+    """Batches that compile, before timing, every graph a run will need: ``(B, latent shape)``, one per
+    kind of batch the sampler yields, cheapest (fewest B·S) first.
+
+    One per kind, not one per compiled-graph class: Inductor specialises a graph on size thresholds
+    it meets while compiling (a fusion decision above some B·S, 32-bit indexing up to B·S·D < 2^31),
+    so two batches of one class can need two graphs. A two-GPU run that warmed up only each class's
+    smallest and largest batch recompiled inside its timed steps (25-30 s each).
+
+    Args:
+        bucket_keys: int [k, 3] latent shapes (T, H, W) of the buckets.
+        batch_kinds: int [n, 2] (bucket, batch size) pairs, as from
+            :meth:`DualConstraintBucketSampler.batch_kinds`.
+    """
+    batches = {(int(size), tuple(int(v) for v in bucket_keys[bucket])) for bucket, size in np.asarray(batch_kinds).tolist()}
+    return sorted(batches, key=lambda b: (b[0] * int(np.prod(b[1])), b))
+
+
+def warm_up(step: TrainStep, spec, sampler: DualConstraintBucketSampler, ctx: DistContext,
+            progress: bool) -> Optional[str]:
+    """Compile before timing: one frozen-weight step per batch of :func:`warm_up_batches`, with a
+    progress bar when ``progress``.
+
+    Returns:
+        ``None``, or the message of a warm-up step that failed on some rank (as for a training step:
+        every rank stops; out of memory names the bucket and B).
+    """
+    plan = warm_up_batches(sampler.bucket_keys, sampler.batch_kinds())
+    batches = (synthetic_batch(spec, batch_size, shape, device=step.device) for batch_size, shape in plan)
+    with step.frozen_weights(), tqdm(total=len(plan), desc="warm-up (compile)", unit="step",
+                                     disable=not progress, leave=False) as bar:
+        for index in range(len(plan)):
+            _, failure = one_step(step, batches, ctx, index, profile=False)
+            if failure is not None:
+                return f"warm-up {failure}"
+            bar.update(1)
+    return None
+
+
+@dataclass
+class LoopOptions:
+    """How :func:`train_steps` runs: steps in all, evaluation, profiling and checkpoint periods (in
+    steps; 0 turns profiling or checkpoints off), DataLoader workers, and the progress bar."""
+
+    total_steps: int
+    eval_every: int
+    profile_every: int
+    checkpoint_every: int
+    workers: int
+    progress: bool
+    name: str
+
+
+def train_steps(step: TrainStep, sampler: DualConstraintBucketSampler, dataset, ctx: DistContext, state: RunState,
+                options: LoopOptions, *, evaluate: Callable[[], float], on_eval: Callable[[], None],
+                save_checkpoint: Callable[[], None]) -> None:
+    """Train from ``state`` (a fresh or resumed run) up to ``options.total_steps`` global steps,
+    epoch after epoch, updating ``state`` after every step.
+
+    ``evaluate()`` returns the loss of the fixed evaluation set; it runs every ``eval_every`` steps
+    and at the last step, and ``on_eval()`` follows it on every rank (it may run collectives).
+    ``save_checkpoint()`` runs every ``checkpoint_every`` steps and at the last step.
+
+    Raises:
+        StepFailed: a step failed on some rank; ``state`` holds the steps before it.
+    """
+    steps_per_epoch = sampler.steps_per_epoch()
+    loader_kwargs = {"num_workers": options.workers, "collate_fn": collate}
+    if options.workers > 0:
+        loader_kwargs["pin_memory"] = ctx.device.type == "cuda"
+    bar = tqdm(total=options.total_steps, initial=state.step, desc=options.name, unit="step",
+               disable=not options.progress, leave=False)
+    try:
+        while state.step < options.total_steps:
+            sampler.set_epoch(state.epoch)
+            dataset.set_epoch(state.epoch)
+            if sampler.resume_step >= steps_per_epoch:  # resumed exactly at the end of an epoch
+                state.epoch, state.consumed_in_epoch = state.epoch + 1, 0
+                continue
+            state.consumed_in_epoch = sampler.resume_step
+            batches = iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **loader_kwargs))
+            while state.step < options.total_steps and state.consumed_in_epoch < steps_per_epoch:
+                profile = options.profile_every > 0 and state.step % options.profile_every == 0
+                record, failure = one_step(step, batches, ctx, state.step, profile=profile)
+                if failure is not None:
+                    raise StepFailed(failure)
+                record["step"] = state.step
+                state.history.append(record)
+                state.train_wall_s += record["step_time_s"]
+                state.step += 1
+                state.consumed_in_epoch += 1
+                bar.update(1)
+                bar.set_postfix_str(f"loss {record['loss']:.4f}")
+                last = state.step == options.total_steps
+                if state.step % options.eval_every == 0 or last:
+                    state.evals.append([state.step, evaluate()])
+                    on_eval()
+                if options.checkpoint_every and (state.step % options.checkpoint_every == 0 or last):
+                    save_checkpoint()
+            del batches
+            if state.consumed_in_epoch >= steps_per_epoch:
+                state.epoch, state.consumed_in_epoch = state.epoch + 1, 0
+    finally:
+        bar.close()

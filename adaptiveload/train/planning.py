@@ -1,0 +1,119 @@
+"""Planning a training run: its calibration (loaded, or a quick one with the run's own step), its
+plan (loaded, or made now) and its batch sampler.
+
+Policies (:mod:`adaptiveload.sched.policies`):
+
+* ``dual`` / ``cost_grouped``: :meth:`DualConstraintBucketSampler.from_plan` with the plan made for
+  this world size and policy;
+* ``equal_token``: the equal-token rule ``B = floor(M_mem_limit / S)`` at the plan's memory limit,
+  ranks drawing batches independently.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import numpy as np
+
+from adaptiveload.sched.calibration import Calibration
+from adaptiveload.sched.plan import Plan, make_plan
+from adaptiveload.sched.policies import step_order
+from adaptiveload.sched.presets import load_calibration
+from adaptiveload.sched.sampler import DualConstraintBucketSampler
+from adaptiveload.train.calibrate import calibrate, calibration_grid
+from adaptiveload.train.distributed import DistContext
+from adaptiveload.train.setup import device_description, device_memory_bytes
+
+logger = logging.getLogger("adaptiveload.train")
+
+QUICK_BATCH_SIZES = (1, 2, 4)  # quick calibration: batch sizes per shape
+QUICK_SHAPES = 3  # quick calibration: bucket shapes spread over S
+QUICK_TOKEN_FACTOR = 2  # quick calibration: B*S up to this many longest samples
+CALIBRATION_FILE = "calibration.json"  # the quick calibration, in the output folder
+
+
+class CalibrationFailed(RuntimeError):
+    """The quick calibration stopped on an error (the message says which point and rank)."""
+
+
+def saved_calibration(out: str, *, resume: bool) -> Optional[Calibration]:
+    """The quick calibration an interrupted job saved in ``out``, when resuming (so the resumed job
+    plans from the same calibration); ``None`` otherwise."""
+    path = os.path.join(out, CALIBRATION_FILE)
+    return load_calibration(path) if resume and os.path.isfile(path) else None
+
+
+def quick_calibration(step, spec, shapes: np.ndarray, patch_size, ctx: DistContext, settings: dict,
+                      progress: bool) -> Calibration:
+    """A small calibration with the run's own step (it also compiles the model): 3 shapes,
+    B in 1, 2, 4 up to twice the longest sample's tokens, 1 warm-up and 2 timed steps each. Every
+    rank gets rank 0's fit, so all make the same plan.
+
+    Raises:
+        CalibrationFailed: the sweep stopped on an error.
+        ValueError: too few points ran to fit a cost model.
+    """
+    seq = shapes.prod(axis=1) // int(np.prod(patch_size))
+    grid = calibration_grid(shapes, patch_size, num_shapes=QUICK_SHAPES, batch_sizes=QUICK_BATCH_SIZES,
+                            max_tokens=QUICK_TOKEN_FACTOR * int(seq.max()))
+    run = calibrate(step, spec, grid, patch_size=patch_size, warmup=1, repeats=2, progress=progress)
+    if run.aborted:
+        raise CalibrationFailed(f"quick calibration stopped: {run.aborted}")
+    calibration = Calibration.from_points(run.points, settings={**settings, "quick": True},
+                                          device=device_description(ctx.device))
+    return ctx.broadcast_object(calibration)
+
+
+def warn_if_calibrated_otherwise(calibration: Calibration, settings: dict) -> None:
+    """Warn when a loaded calibration measured another model, depth or checkpointing than this run
+    (its cost and memory models, hence the plan, may not hold). Only calibrations written by
+    ``adaptiveload calibrate`` or a job are compared; the built-in ones describe their source in prose."""
+    if "backend" not in calibration.settings:
+        return
+    keys = ("model", "num_layers", "activation_checkpointing")
+    differ = [f"{k}: calibrated {calibration.settings[k]!r}, this run {settings[k]!r}"
+              for k in keys if k in calibration.settings and calibration.settings[k] != settings.get(k)]
+    if differ:
+        logger.warning("the calibration was measured on another setup (%s); its plan may not fit this run "
+                       "(recalibrate with adaptiveload calibrate, or leave --calibration out)", "; ".join(differ))
+
+
+def warn_if_poor_fit(calibration: Calibration) -> None:
+    """Log one warning when the calibration's step-time fit is poor (a noisy or loaded machine): its
+    R², the bound it hit and the model used instead (:attr:`~adaptiveload.sched.cost_model.CostModel.warning`)."""
+    if calibration.cost_model.warning:
+        logger.warning("calibration: %s", calibration.cost_model.warning)
+
+
+def resolve_plan(plan_path: Optional[str], corpus, calibration: Calibration, ctx: DistContext, policy: str, *,
+                 memory_budget_gb: Optional[float], m_mem: Optional[int], drop_oversized: bool) -> Plan:
+    """The plan file given (checked against this world size), or a plan made now for ``policy``
+    (``memory_budget_gb``: the device's memory when None; ignored without a measured memory model).
+
+    Raises:
+        ValueError: the plan was made for another world size, or planning fails (oversized buckets).
+    """
+    if plan_path is not None:
+        plan = Plan.load(plan_path)
+        if plan.world_size != ctx.world_size:
+            raise ValueError(f"{plan_path} was planned for world size {plan.world_size}, but this job runs on "
+                             f"{ctx.world_size} rank(s); re-plan with `adaptiveload plan --world-size {ctx.world_size}` "
+                             f"or omit --plan")
+        return plan
+    budget = memory_budget_gb * 2**30 if memory_budget_gb is not None else device_memory_bytes(ctx.device)
+    if calibration.memory_model is None:
+        budget = None  # no memory measured (CPU): the plan uses the largest batch the calibration ran
+    return make_plan(corpus, calibration, ctx.world_size, memory_budget_bytes=budget, m_mem=m_mem,
+                     drop_oversized=drop_oversized, policy=policy)
+
+
+def make_sampler(policy: str, plan: Plan, corpus, ctx: DistContext, seed: int) -> DualConstraintBucketSampler:
+    """The run's batch sampler for ``policy`` (see the module docstring)."""
+    shapes = corpus.latent_shapes
+    if policy == "equal_token":
+        return DualConstraintBucketSampler(shapes, m_mem=plan.m_mem_limit, num_replicas=ctx.world_size, rank=ctx.rank,
+                                           seed=seed, policy="random", drop_oversized=plan.drop_oversized,
+                                           patch_size=plan.patch_size)
+    return DualConstraintBucketSampler.from_plan(plan, shapes, num_replicas=ctx.world_size, rank=ctx.rank,
+                                                 seed=seed, policy=step_order(policy))
