@@ -74,6 +74,21 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def int_triple(text: str) -> tuple[int, int, int]:
+    """An argparse type: three comma-separated integers >= 1, ``T,H,W`` (a VAE stride or a patch
+    size, e.g. ``4,8,8``), returned as a tuple."""
+    parts = [v.strip() for v in text.split(",")]
+    try:
+        values = tuple(int(v) for v in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected three comma-separated integers T,H,W, got {text!r}") from None
+    if len(values) != 3:
+        raise argparse.ArgumentTypeError(f"expected three comma-separated integers T,H,W, got {len(values)} in {text!r}")
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers T,H,W >= 1, got {text!r}")
+    return values
+
+
 def _parse(kind, text: str, what: str):
     try:
         return kind(text)

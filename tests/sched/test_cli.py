@@ -1,6 +1,7 @@
 """``adaptiveload plan`` / ``simulate`` (adaptiveload/sched/cli.py), run through their own argparse parser."""
 import argparse
 import json
+import re
 
 import numpy as np
 import pytest
@@ -188,3 +189,22 @@ def test_plan_rule_matches_the_cli_table(tmp_path):
     seq = np.array([r["seq_len"] for r in plan.buckets])
     expected = rule_batch_sizes(plan.cost_model, seq, plan.m_mem, plan.step_budget_s)
     assert [r["batch_size"] for r in plan.buckets] == expected.tolist()
+
+
+@pytest.mark.parametrize("text, expected", [("4,8,8", (4, 8, 8)), (" 8, 32,32 ", (8, 32, 32)), ("2,2,2", (2, 2, 2))])
+def test_int_triple_parses_t_h_w(text, expected):
+    from adaptiveload.cliargs import int_triple
+    assert int_triple(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    ("4,8", "expected three comma-separated integers T,H,W, got 2 in '4,8'"),
+    ("4,8,8,1", "got 4 in '4,8,8,1'"),
+    ("4,8,0", "expected integers T,H,W >= 1, got '4,8,0'"),
+    ("4,x,8", "expected three comma-separated integers T,H,W, got '4,x,8'"),
+    ("4.5,8,8", "got '4.5,8,8'"),
+])
+def test_int_triple_rejects_bad_values(text, message):
+    from adaptiveload.cliargs import int_triple
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+        int_triple(text)
