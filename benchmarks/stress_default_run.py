@@ -74,10 +74,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as out_root:
             for i in range(args.runs):
                 runs.append(_one_run(i, out_root, args.timeout_s))
-                r = runs[-1]
-                print(f"run {i:2d}: rc {r['rc']}, {r['wall_s']:6.1f} s, tokens/s {r['tokens_per_s'] or '-'}"
-                      + (f", warned: {r['calibration_warnings'][0][:120]}" if r["calibration_warnings"] else ""),
-                      flush=True)
+                print(_row(runs[-1]), flush=True)
     finally:
         for proc in load:
             proc.terminate()
