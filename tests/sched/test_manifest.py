@@ -43,6 +43,60 @@ def test_seq_len_only(tmp_path):
     assert (tmp_path / "s.csv").read_text().splitlines() == ["seq_len", "1560", "32760"]
 
 
+def test_latent_columns_win_and_give_exact_shapes(tmp_path):
+    """latent_t,latent_h,latent_w are the tensors' shapes: S = T/pt * H/ph * W/pw whatever the VAE
+    stride, and they win over pixel columns in the same file."""
+    path = tmp_path / "m.csv"
+    path.write_text("num_frames,height,width,latent_t,latent_h,latent_w\n81,480,832,11,16,26\n1,480,832,1,16,26\n")
+    m = load_manifest(path, vae_stride=(8, 32, 32), patch_size=(1, 2, 2))
+    assert m.latent_shapes.tolist() == [[11, 16, 26], [1, 16, 26]] and m.pixel_shapes is None
+    assert m.seq_lens.tolist() == [11 * 8 * 13, 8 * 13]
+    assert load_manifest(path, patch_size=(1, 1, 1)).seq_lens.tolist() == [11 * 16 * 26, 16 * 26]
+    with pytest.raises(ValueError, match=r"row 1 \(line 2\): field 'latent_t' = 11 is not a multiple of the patch size 2"):
+        load_manifest(path, patch_size=(2, 2, 2))
+    with pytest.raises(ValueError, match="latent_w 3 at index 1 is not a positive multiple of the patch size 2"):
+        Manifest.from_latents([1, 1], [2, 2], [2, 3])
+
+
+@pytest.mark.parametrize("ext", ["csv", "jsonl", "parquet"])
+def test_sample_file_columns_resolve_against_the_manifest_folder_and_round_trip(tmp_path, ext):
+    rows = [{"latent_path": "lat/a,1.pt", "text_path": "txt/a.pt", "latent_t": 2, "latent_h": 4, "latent_w": 6},
+            {"latent_path": "/abs/b.safetensors", "text_path": "b.safetensors", "latent_t": 1, "latent_h": 2,
+             "latent_w": 2}]
+    path = tmp_path / f"m.{ext}"
+    if ext == "csv":
+        import csv
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    elif ext == "jsonl":
+        import json
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({k: [r[k] for r in rows] for k in rows[0]}), path)
+    m = load_manifest(path)
+    assert m.latent_paths.tolist() == [str(tmp_path / "lat" / "a,1.pt"), "/abs/b.safetensors"]
+    assert m.text_paths.tolist() == [str(tmp_path / "txt" / "a.pt"), str(tmp_path / "b.safetensors")]
+    assert m.latent_shapes.tolist() == [[2, 4, 6], [1, 2, 2]] and m.seq_lens.tolist() == [12, 1]
+    first = m.head(1)
+    assert first.latent_paths.tolist() == m.latent_paths[:1].tolist() and first.text_paths.tolist() == m.text_paths[:1].tolist()
+    write_manifest(m, tmp_path / f"back.{ext}")
+    back = load_manifest(tmp_path / f"back.{ext}")
+    assert back.latent_paths.tolist() == m.latent_paths.tolist() and back.text_paths.tolist() == m.text_paths.tolist()
+    np.testing.assert_array_equal(back.latent_shapes, m.latent_shapes)
+
+
+def test_pixel_columns_with_sample_files(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"num_frames": 81, "height": 480, "width": 832, "latent_path": "a.pt", "text_path": "t.pt"}\n')
+    m = load_manifest(path)
+    assert m.latent_shapes.tolist() == [[21, 60, 104]] and m.pixel_shapes.tolist() == [[81, 480, 832]]
+    assert m.latent_paths.tolist() == [str(tmp_path / "a.pt")] and m.text_paths.tolist() == [str(tmp_path / "t.pt")]
+
+
 @pytest.mark.parametrize("body, match", [
     ("num_frames,height,width\n81,480,832\n,480,832\n", r"m\.csv: row 2 \(line 3\): field 'num_frames' is missing"),
     ("num_frames,height,width\n81,480,832\n81,-480,832\n", r"row 2 \(line 3\): field 'height' = '-480' must be positive"),
@@ -50,7 +104,12 @@ def test_seq_len_only(tmp_path):
     ("num_frames,height,width\n81,abc,832\n", r"row 1 \(line 2\): field 'height' = 'abc' is not a number"),
     ("num_frames,height,width\n81,480\n", r"row 1 \(line 2\): field 'width' is missing"),
     ("num_frames,height,width\n81,8,832\n", r"row 1 \(line 2\): field 'height' = 8 is below one patch"),
-    ("frames,h,w\n81,480,832\n", "no size columns: expected num_frames,height,width or seq_len; found frames,h,w"),
+    ("frames,h,w\n81,480,832\n",
+     "no size columns: expected num_frames,height,width or latent_t,latent_h,latent_w or seq_len; found frames,h,w"),
+    ("latent_t,latent_h,latent_w\n3,4,6\n3,5,6\n", r"row 2 \(line 3\): field 'latent_h' = 5 is not a multiple of the patch size 2"),
+    ("seq_len,latent_path\n5,a.pt\n", "has a latent_path column but no text_path column: give both, or neither"),
+    ("seq_len,latent_path,text_path\n5,a.pt,b.pt\n", "sample files need the shape; seq_len alone gives none"),
+    ("latent_t,latent_h,latent_w,latent_path,text_path\n1,2,2,a.pt,\n", r"row 1 \(line 2\): field 'text_path' is missing"),
     ("num_frames,height,width\n", "no rows"),
     ("", "empty file"),
 ])
