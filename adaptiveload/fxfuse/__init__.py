@@ -1,5 +1,7 @@
-"""Find every adaptive-LayerNorm modulate chain ``LayerNorm(x) * (1 + scale) + shift`` of an FX graph
-and rewrite it into ``torch.ops.adaptiveload.adaln_modulate``.
+"""Find the norm→modulate chains of an FX graph and rewrite each into one fused op: every
+``LayerNorm(x) * (1 + scale) + shift`` into ``torch.ops.adaptiveload.adaln_modulate``, every
+``rms_norm(x) * (1 + scale) [+ shift]`` into ``torch.ops.adaptiveload.rms_norm_modulate``, and what
+any pattern added with :func:`register_pattern` matches into its op.
 
 * :func:`fuse_adaln` -- the standalone rewrite of a ``torch.fx.GraphModule`` (Dynamo,
   ``symbolic_trace`` or ``torch.export`` graphs), returning a :class:`FusionReport`.
@@ -7,9 +9,13 @@ and rewrite it into ``torch.ops.adaptiveload.adaln_modulate``.
   the rewrite, then Inductor.
 * :func:`collect_reports` -- a context manager yielding the list of the :class:`FusionReport` of
   every backend call made inside it.
+* :func:`register_pattern` / :func:`unregister_pattern` / :func:`patterns` -- the pattern registry
+  (see :mod:`adaptiveload.fxfuse.registry` for what a pattern is).
 """
 from adaptiveload.fxfuse.backend import adaptiveload_backend, collect_reports
+from adaptiveload.fxfuse.registry import Match, Pattern, patterns, register_pattern, unregister_pattern
 from adaptiveload.fxfuse.report import ChainRecord, FusionReport
 from adaptiveload.fxfuse.rewrite import fuse_adaln
 
-__all__ = ["fuse_adaln", "FusionReport", "ChainRecord", "adaptiveload_backend", "collect_reports"]
+__all__ = ["fuse_adaln", "FusionReport", "ChainRecord", "adaptiveload_backend", "collect_reports",
+           "register_pattern", "unregister_pattern", "patterns", "Match", "Pattern"]

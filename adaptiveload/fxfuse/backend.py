@@ -1,4 +1,4 @@
-"""The ``adaptiveload`` torch.compile backend: fuse LayerNorm→modulate chains, then compile.
+"""The ``adaptiveload`` torch.compile backend: fuse norm→modulate chains (every registered pattern), then compile.
 
     model = torch.compile(model, backend="adaptiveload")
     model = torch.compile(model, backend="adaptiveload", options={"inner": "aot_eager", "fuse": True})
@@ -41,7 +41,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from adaptiveload.fxfuse.report import FusionReport
 from adaptiveload.fxfuse.rewrite import fuse_adaln
-from adaptiveload.ops.adaln_modulate import _setting
+from adaptiveload.ops.common import setting
 
 logger = logging.getLogger("adaptiveload.fxfuse")
 
@@ -88,7 +88,7 @@ def fusion_disabled() -> bool:
     Raises:
         ValueError: any other value (the message names the variable and the value).
     """
-    return _DISABLE_VALUES[_setting(DISABLE_ENV, "", tuple(_DISABLE_VALUES))]
+    return _DISABLE_VALUES[setting(DISABLE_ENV, "", tuple(_DISABLE_VALUES))]
 
 
 def adaptiveload_backend(
@@ -99,7 +99,7 @@ def adaptiveload_backend(
     mode: Optional[str] = None,
     **kwargs: Any,
 ) -> Callable:
-    """A torch.compile backend: rewrite LayerNorm→modulate chains of ``gm``, then compile it.
+    """A torch.compile backend: rewrite the chains of ``gm`` that the registered patterns match (norm→modulate), then compile it.
 
     Args:
         gm: the graph Dynamo captured.
@@ -123,9 +123,9 @@ def adaptiveload_backend(
     disabled = fusion_disabled()
     graph = gm
     if not fuse:
-        logger.info("LayerNorm→modulate fusion is off (option fuse=False): compiling the graph unchanged")
+        logger.info("norm→modulate fusion is off (option fuse=False): compiling the graph unchanged")
     elif disabled:
-        logger.info("LayerNorm→modulate fusion is off (%s is set): compiling the graph unchanged", DISABLE_ENV)
+        logger.info("norm→modulate fusion is off (%s is set): compiling the graph unchanged", DISABLE_ENV)
     else:
         graph = _fused_copy(gm)
     return _compile_inner(inner, graph, example_inputs, mode, inductor_config)

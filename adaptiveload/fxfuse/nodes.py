@@ -14,7 +14,7 @@ patterns built from these answers live in ``patterns.py``.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
@@ -251,13 +251,22 @@ class NormSite:
 
     Attributes:
         kind: how it was written: "F.layer_norm", "nn.LayerNorm", "aten.layer_norm",
-            "aten.native_layer_norm", or "RMSNorm" (any RMSNorm form; seen, never fused).
-        node: the call itself.
-        output: the node holding the normalised tensor (``node``, or its ``getitem(·, 0)``).
+            "aten.native_layer_norm"; "F.rms_norm", "nn.RMSNorm", "aten.rms_norm",
+            "aten._fused_rms_norm", or :data:`HAND_WRITTEN_RMS_NORM` (diffusers' ``RMSNorm`` and
+            model code: ``x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)``, optionally
+            times a weight).
+        family: "layer_norm" or "rms_norm".
+        node: the call itself (for the hand-written RMSNorm: the ``x * rsqrt(...)`` node).
+        output: the node holding the normalised tensor (``node``, its ``getitem(·, 0)``, or the
+            hand-written RMSNorm's weight product).
         input: the tensor normalised.
         normalized_shape: as written (a list of ints/SymInts/nodes).
         weight, bias: the affine parameters (a Node, a ParamRef, or None).
-        eps: as written (a number, or a Node if computed).
+        eps: as written (a number, None for the op's default, or a Node if computed).
+        internal: the norm's other nodes (the hand-written RMSNorm's square, mean, rsqrt, casts),
+            which die with it when unused.
+        rejection: why a norm that looks like one may not be fused (a hand-written RMSNorm that
+            reduces over other dims, squares another tensor, ...); None when it may.
     """
 
     kind: str
@@ -268,6 +277,9 @@ class NormSite:
     weight: Operand
     bias: Operand
     eps: Any
+    family: str = "layer_norm"
+    internal: list = field(default_factory=list)
+    rejection: Optional[str] = None
 
     @property
     def affine(self) -> bool:
@@ -293,6 +305,11 @@ def _layer_norm_site(kind: str, node: Node, output: Node) -> NormSite:
     )
 
 
+def _rms_norm_site(kind: str, node: Node, output: Node) -> NormSite:
+    return NormSite(kind, node, output, _arg(node, 0, "input"), _arg(node, 1, "normalized_shape"),
+                    _arg(node, 2, "weight"), None, _arg(node, 3, "eps"), family="rms_norm")
+
+
 def _first_getitem(node: Node, index: int) -> Optional[Node]:
     for user in node.users:
         if user.op == "call_function" and user.target is operator.getitem and user.args[1] == index:
@@ -300,13 +317,13 @@ def _first_getitem(node: Node, index: int) -> Optional[Node]:
     return None
 
 
-def _rms_norm_functions() -> set:
-    functions = {getattr(torch, "rms_norm", None), getattr(F, "rms_norm", None)}
+def _rms_norm_functions() -> dict:
+    functions = {getattr(torch, "rms_norm", None): "F.rms_norm", getattr(F, "rms_norm", None): "F.rms_norm"}
     for name in ("rms_norm", "_fused_rms_norm"):
         packet = getattr(aten, name, None)
         if packet is not None:
-            functions.add(packet.default)
-    functions.discard(None)
+            functions[packet.default] = f"aten.{name}"
+    functions.pop(None, None)
     return functions
 
 
@@ -320,37 +337,159 @@ _LAYER_NORM_FUNCTIONS = {
 _NORM_FUNCTIONS = {*_LAYER_NORM_FUNCTIONS, aten.native_layer_norm.default, *_RMS_NORM_FUNCTIONS}
 
 
+def rms_norm_default_eps(dtype: torch.dtype) -> float:
+    """The eps ``F.rms_norm`` uses when given None: float32's machine epsilon, float64's for float64
+    input (``torch/_decomp/decompositions.py``: ``_fused_rms_norm``)."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
 def _module_param(node: Node, module: torch.nn.Module, name: str) -> Optional[ParamRef]:
     tensor = getattr(module, name)
     return None if tensor is None else ParamRef(f"{node.target}.{name}", tensor)
 
 
 def norm_site(gm: GraphModule, node: Node) -> Optional[NormSite]:
-    """The :class:`NormSite` of ``node`` if it is a LayerNorm or RMSNorm call, else None."""
+    """The :class:`NormSite` of ``node`` if it is a LayerNorm or RMSNorm call (an RMSNorm written
+    out by hand included, see :func:`hand_written_rms_norm`), else None."""
     if node.op == "call_function":
         if node.target not in _NORM_FUNCTIONS:
-            return None
+            return hand_written_rms_norm(node)
         kind = _LAYER_NORM_FUNCTIONS.get(node.target)
         if kind is not None:
             return _layer_norm_site(kind, node, node)
         if node.target is aten.native_layer_norm.default:
             out = _first_getitem(node, 0)
             return None if out is None else _layer_norm_site("aten.native_layer_norm", node, out)
-        if node.target in _RMS_NORM_FUNCTIONS:
-            out = _first_getitem(node, 0) if node.target is _FUSED_RMS_NORM else node
-            if out is None:
-                return None
-            return NormSite("RMSNorm", node, out, _arg(node, 0, "input"), _arg(node, 1, "normalized_shape"),
-                            _arg(node, 2, "weight"), None, _arg(node, 3, "eps"))
-        return None
+        out = _first_getitem(node, 0) if node.target is _FUSED_RMS_NORM else node
+        return None if out is None else _rms_norm_site(_RMS_NORM_FUNCTIONS[node.target], node, out)
     if node.op != "call_module":
-        return None
+        return hand_written_rms_norm(node)
     module = gm.get_submodule(node.target)
     if type(module) is torch.nn.LayerNorm:
         return NormSite("nn.LayerNorm", node, node, _arg(node, 0, "input"), list(module.normalized_shape),
                         _module_param(node, module, "weight"), _module_param(node, module, "bias"), module.eps)
     rms_norm_cls = getattr(torch.nn, "RMSNorm", None)
     if rms_norm_cls is not None and type(module) is rms_norm_cls:
-        return NormSite("RMSNorm", node, node, _arg(node, 0, "input"), list(module.normalized_shape),
-                        None, None, module.eps)
+        return NormSite("nn.RMSNorm", node, node, _arg(node, 0, "input"), list(module.normalized_shape),
+                        _module_param(node, module, "weight"), None, module.eps, family="rms_norm")
+    return None
+
+
+# --- the hand-written RMSNorm -------------------------------------------------------------------
+
+HAND_WRITTEN_RMS_NORM = "x*rsqrt(mean(x²)+eps)"
+
+_RSQRT_FUNCTIONS = {torch.rsqrt, aten.rsqrt.default}
+_MEAN_FUNCTIONS = {torch.mean, aten.mean.dim}
+_POW_FUNCTIONS = {torch.pow, operator.pow, aten.pow.Tensor_Scalar}
+_SQUARE_FUNCTIONS = {torch.square, getattr(aten, "square", aten.pow).default}
+
+
+def _unary_source(node: Any, functions: set, method: str) -> Optional[Node]:
+    if _is_call(node, functions, method) and node.args and isinstance(node.args[0], Node):
+        return node.args[0]
+    return None
+
+
+def _squared(node: Any) -> tuple[Optional[Node], Optional[str]]:
+    """``(t, None)`` when ``node`` computes ``t ** 2`` (pow, square, ``t * t``); ``(t, reason)`` for
+    another power of one tensor; ``(None, None)`` otherwise."""
+    src = _unary_source(node, _POW_FUNCTIONS, "pow")
+    if src is not None:
+        exponent = _arg(node, 1, "exponent")
+        return src, None if exponent == 2 else f"raises to the power {exponent!r}, not 2"
+    src = _unary_source(node, _SQUARE_FUNCTIONS, "square")
+    if src is not None:
+        return src, None
+    ops = binary_operands(node, "mul")
+    if ops is not None and ops[0] is ops[1] and isinstance(ops[0], Node):
+        return ops[0], None
+    return None, None
+
+
+def _is_parameter(node: Any) -> bool:
+    """A graph input or attribute (a parameter), possibly through dtype casts."""
+    node, _ = strip_casts(node)
+    return isinstance(node, Node) and node.op in ("placeholder", "get_attr")
+
+
+def strip_casts(node: Any) -> tuple[Any, list[Node]]:
+    """Follow every dtype cast back from ``node``; the earliest node and the casts passed."""
+    passed = []
+    while (src := cast_source(node)) is not None:
+        passed.append(node)
+        node = src
+    return node, passed
+
+
+def hand_written_rms_norm(node: Node) -> Optional[NormSite]:
+    """The :class:`NormSite` of an RMSNorm written out, anchored at ``node`` = ``x * rsqrt(r)``:
+
+        r = mean(square(x'), dim=-1, keepdim=True) + eps      (x' = x or a dtype cast of it)
+        output = node, or node [.to(w.dtype)] * w              (w a parameter of shape [D])
+
+    as diffusers' ``RMSNorm`` and model code write it (``.pow(2)``, ``torch.square``, ``x * x``;
+    ``torch.rsqrt`` or ``.rsqrt()``; operator, ``torch.*``, method or aten forms). A norm of this
+    shape that is not an RMSNorm over the last dim (another dim, ``keepdim=False``, another power,
+    a computed eps, or ``x'`` not an exact cast of ``x``) is a site with a ``rejection``. None when
+    ``node`` is not ``x * rsqrt(mean(...) + number or node)``.
+    """
+    ops = binary_operands(node, "mul")
+    if ops is None:
+        return None
+    for x, r in (ops, ops[::-1]):
+        added = _unary_source(r, _RSQRT_FUNCTIONS, "rsqrt")
+        add_ops = binary_operands(added, "add")
+        if add_ops is None or not isinstance(x, Node):
+            continue
+        for mean, eps in (add_ops, add_ops[::-1]):
+            if _is_call(mean, _MEAN_FUNCTIONS, "mean") and not (isinstance(eps, Node) and eps is mean):
+                return _hand_written_site(node, x, r, added, mean, eps)
+    return None
+
+
+def _hand_written_site(node: Node, x: Node, rsqrt: Node, added: Node, mean: Node, eps: Any) -> NormSite:
+    square = mean.args[0]
+    squared, rejection = _squared(square)
+    internal = [rsqrt, added, mean]
+    if squared is None:
+        rejection = f"the mean is of `{getattr(square, 'name', square)}`, not of a square"
+    else:
+        internal += [square, *strip_casts(squared)[1]]
+        dims, keepdim = _arg(mean, 1, "dim"), _arg(mean, 2, "keepdim", False)
+        x_val = fake_value(x)
+        ndim = None if x_val is None else x_val.dim()
+        dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+        if rejection is None and ndim is not None and [d % ndim if isinstance(d, int) else d for d in dims] != [ndim - 1]:
+            rejection = f"the mean is over dims {dims}, not the last one"
+        elif rejection is None and keepdim is not True:
+            rejection = "the mean is not taken with keepdim=True"
+        elif rejection is None and strip_exact_casts(squared)[0] is not strip_exact_casts(x)[0]:
+            rejection = f"squares `{squared.name}`, not an exact cast of the normalised `{x.name}`"
+    if isinstance(eps, Node) or isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        rejection = rejection or "eps is computed in the graph"
+    x_val = fake_value(x)
+    shape = None if x_val is None else [x_val.shape[-1]]
+    output, weight = node, None
+    user = next(iter(node.users)) if len(node.users) == 1 else None
+    cast = user if user is not None and cast_source(user) is node and len(user.users) == 1 else None
+    product = next(iter(cast.users)) if cast is not None else user
+    w = _weight_operand(product, cast or node, shape)
+    if w is not None:
+        output, weight = product, w
+        internal = ([cast] if cast is not None else []) + internal
+    return NormSite(HAND_WRITTEN_RMS_NORM, node, output, x, shape, weight, None, eps, family="rms_norm",
+                    internal=internal, rejection=rejection)
+
+
+def _weight_operand(product: Any, value: Node, shape: Optional[list]) -> Optional[Node]:
+    """``w`` when ``product`` is ``value * w`` with ``w`` a parameter of shape ``shape`` ([D])."""
+    ops = binary_operands(product, "mul")
+    if ops is None or shape is None:
+        return None
+    for a, w in (ops, ops[::-1]):
+        if a is value and w is not value and _is_parameter(w):
+            w_val = fake_value(w)
+            if is_floating(w_val) and static_dims(w_val.shape) == static_dims(shape):
+                return w
     return None

@@ -1,5 +1,6 @@
-"""What the fusion pass found: one :class:`ChainRecord` per LayerNorm→modulate chain, gathered in a
-:class:`FusionReport` with counts, the log summary line and a printable table."""
+"""What the fusion pass found: one :class:`ChainRecord` per chain a pattern matched (a norm→modulate
+chain for the built-in patterns), gathered in a :class:`FusionReport` with counts, the log summary
+line and a printable table."""
 from __future__ import annotations
 
 from collections import Counter
@@ -17,11 +18,14 @@ class ChainRecord:
         node: the norm node's name in that graph.
         source: where the modulate was written, "file.py:123" (empty when the graph has no stack traces).
         norm: how the norm was written ("F.layer_norm", "nn.LayerNorm", "aten.layer_norm",
-            "aten.native_layer_norm", "RMSNorm").
+            "aten.native_layer_norm", "F.rms_norm", "nn.RMSNorm", "aten.rms_norm",
+            "aten._fused_rms_norm", "x*rsqrt(mean(x²)+eps)"; a registered pattern's own words).
         affine: whether the norm has weight/bias.
         variant: the modulate's form, e.g. "norm*(1+scale)+shift", "addcmul", "norm+norm*scale".
         layout: the modulation layout ("per-sample", "per-token", "shared", or one per tensor).
         reason: why it was left alone; None when it was fused.
+        pattern: the name of the pattern that matched it ("adaln_modulate", "rms_norm_modulate", or
+            one added with ``register_pattern``).
     """
 
     graph: str
@@ -32,6 +36,7 @@ class ChainRecord:
     variant: str
     layout: str
     reason: Optional[str]
+    pattern: str
 
     @property
     def fused(self) -> bool:
@@ -60,24 +65,37 @@ class FusionReport:
     def skipped(self) -> int:
         return self.seen - self.fused
 
+    def patterns(self) -> list[str]:
+        """The names of the patterns that matched a chain, in order of first appearance."""
+        return list(dict.fromkeys(c.pattern for c in self.chains))
+
+    def of_pattern(self, name: str) -> "FusionReport":
+        """The report of the chains pattern ``name`` matched."""
+        return FusionReport([c for c in self.chains if c.pattern == name])
+
     def skip_reasons(self) -> Counter:
         """How many chains were left alone for each reason."""
         return Counter(c.reason for c in self.chains if not c.fused)
 
     def summary(self) -> str:
-        """One line: "fused N LayerNorm→modulate chains (M seen, K skipped: reasons)"."""
-        text = f"fused {self.fused} LayerNorm→modulate chains ({self.seen} seen, {self.skipped} skipped"
+        """One line: "fused N chains (M seen, K skipped: reasons)", then per pattern "[name: fused/seen, ...]"."""
+        text = f"fused {self.fused} chains ({self.seen} seen, {self.skipped} skipped"
         reasons = self.skip_reasons()
         if reasons:
             text += ": " + "; ".join(f"{n}× {reason}" for reason, n in reasons.most_common())
-        return text + ")"
+        text += ")"
+        if self.chains:
+            parts = (f"{name} {part.fused}/{part.seen}" for name in self.patterns() for part in [self.of_pattern(name)])
+            text += " [fused/seen: " + ", ".join(parts) + "]"
+        return text
 
     def table(self) -> str:
         """A fixed-width table, one row per chain, then the summary line."""
-        header = ("#", "location", "source", "norm", "variant", "modulation", "status")
+        header = ("#", "pattern", "location", "source", "norm", "variant", "modulation", "status")
         rows = [
             (
                 str(i),
+                c.pattern,
                 c.location,
                 c.source or "-",
                 c.norm + (" (affine)" if c.affine else ""),

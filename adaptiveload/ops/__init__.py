@@ -1,4 +1,12 @@
-"""Custom ops of the ``adaptiveload`` namespace (registered on import)."""
-from adaptiveload.ops.adaln_modulate import adaln_modulate, adaln_modulate_backward, modulation_layout
+"""Custom ops of the ``adaptiveload`` namespace (registered on import), one folder per op family:
+
+* ``adaln_modulate/`` -- ``LayerNorm(x) * (1 + scale) + shift``;
+* ``rms_norm_modulate/`` -- ``rms_norm(x) * (1 + scale) [+ shift]``;
+
+each with its schema and registrations, its reference math and its FX pattern; ``common.py`` holds
+what they share, ``extension.py`` builds the ``csrc/`` kernels.
+"""
+from adaptiveload.ops.adaln_modulate import adaln_modulate, adaln_modulate_backward
+from adaptiveload.ops.common import modulation_layout
 
 __all__ = ["adaln_modulate", "adaln_modulate_backward", "modulation_layout"]

@@ -1,6 +1,7 @@
 """The ``adaptiveload`` torch.compile backend (adaptiveload/fxfuse/backend.py)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import adaptiveload.fxfuse.backend as backend_mod
-import adaptiveload.fxfuse.rewrite as rewrite_mod
+import adaptiveload.fxfuse.registry as registry
 from adaptiveload.fxfuse import adaptiveload_backend, collect_reports
 
 D = 16
@@ -114,7 +115,7 @@ def test_fusion_can_be_turned_off(how, monkeypatch, caplog):
     assert _counts() == before and reports == []
     torch.testing.assert_close(out, model(x, c))
     reason = "option fuse=False" if how == "options" else "ADAPTIVELOAD_DISABLE is set"
-    assert f"LayerNorm→modulate fusion is off ({reason})" in caplog.text
+    assert f"norm→modulate fusion is off ({reason})" in caplog.text
 
 
 DISABLE_VALUES = {"1": True, "TRUE": True, " yes ": True, "On": True,
@@ -182,13 +183,14 @@ def test_logs_the_summary(caplog):
     with caplog.at_level(logging.INFO, logger="adaptiveload"):
         torch.compile(Block(), backend="adaptiveload", options=AOT_EAGER, fullgraph=True)(*_inputs())
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("adaptiveload")]
-    assert "fused 2 LayerNorm→modulate chains (2 seen, 0 skipped)" in messages
+    assert "fused 2 chains (2 seen, 0 skipped) [fused/seen: adaln_modulate 2/2]" in messages
 
 
 def test_a_failing_rewrite_compiles_the_original_graph_and_warns_once(monkeypatch):
     """The failure hits after the first chain was already rewritten: the copy is half rewritten,
     the inner compiler must still get the untouched original."""
-    real_replace = rewrite_mod.replace_chain
+    (pattern,) = [p for p in registry.patterns() if p.name == "adaln_modulate"]
+    real_replace = pattern.replace
     calls = []
 
     def replace_then_fail(gm, chain, verdict, replaced):
@@ -204,7 +206,7 @@ def test_a_failing_rewrite_compiles_the_original_graph_and_warns_once(monkeypatc
         seen_by_inner.append(gm)
         return real_inner(inner, gm, *args)
 
-    monkeypatch.setattr(rewrite_mod, "replace_chain", replace_then_fail)
+    monkeypatch.setitem(registry._patterns, "adaln_modulate", dataclasses.replace(pattern, replace=replace_then_fail))
     monkeypatch.setattr(backend_mod, "_compile_inner", spy_inner)
     monkeypatch.setattr(backend_mod, "_warned", False)
     model = Block()

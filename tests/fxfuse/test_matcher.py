@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from adaptiveload.fxfuse import fuse_adaln
 from adaptiveload.fxfuse.backend import copy_graph_module
-from adaptiveload.fxfuse.patterns import RMS_NORM
 
 D = 16
 
@@ -260,11 +259,6 @@ def n_last_two_dims(x, emb, w, b):
     return F.layer_norm(x, x.shape[-2:]) * (1 + sc[:, None]) + sh[:, None]
 
 
-def n_rms_norm(x, emb, w, b):
-    sh, sc, *_ = _mods(emb)
-    return F.rms_norm(x, (D,), w) * (1 + sc[:, None]) + sh[:, None]
-
-
 def n_unscaled(x, emb, w, b):
     sh, sc, *_ = _mods(emb)
     return F.layer_norm(x, (D,)) * sc[:, None] + sh[:, None]
@@ -293,7 +287,6 @@ DONT_FUSE = {
     "norm_has_outside_user": (n_outside_user_of_norm, ["normalised tensor also feeds `mean` outside the chain"]),
     "product_has_outside_user": (n_outside_user_of_product, ["intermediate `h` also feeds `sum_1`"]),
     "layernorm_over_two_dims": (n_last_two_dims, ["LayerNorm over the last 2 dims"]),
-    "rms_norm": (n_rms_norm, [RMS_NORM]),
     "no_one_plus": (n_unscaled, [UNSCALED]),
     "scale_over_tokens_not_channels": (n_scale_broadcast_over_channels, ["scale: shape [2, 5, 1]"]),
     "modulation_grows_batch": (n_modulation_grows_batch, ["scale: shape [2, 1, 16]"]),

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from adaptiveload.fxfuse import FusionReport, fuse_adaln
 from adaptiveload.fxfuse.backend import copy_graph_module
 from adaptiveload.fxfuse.nodes import fake_value
-from adaptiveload.fxfuse.patterns import NO_METADATA
+from adaptiveload.fxfuse.modulate import NO_METADATA
 
 D = 16
 FUSED_OP = torch.ops.adaptiveload.adaln_modulate.default
@@ -171,15 +171,17 @@ def test_report_counts_summary_and_table(capture):
     def two(x, emb):
         sh, sc = emb[:, :D], emb[:, D : 2 * D]
         y = F.layer_norm(x, (D,)) * (1 + sc[:, None]) + sh[:, None]
-        return F.rms_norm(y, (D,)) * (1 + sc[:, None]) + sh[:, None]
+        return F.layer_norm(y, (D,)) * sc[:, None] + sh[:, None]
 
     gm, _ = capture(two, *_inputs())
     report = fuse_adaln(gm)
     assert isinstance(report, FusionReport)
     assert (report.seen, report.fused, report.skipped) == (2, 1, 1)
-    assert report.summary() == "fused 1 LayerNorm→modulate chains (2 seen, 1 skipped: 1× RMSNorm, not fused)"
+    unscaled = "multiplier is not `1 + scale` (the op computes norm * (1 + scale))"
+    assert report.summary() == f"fused 1 chains (2 seen, 1 skipped: 1× {unscaled}) [fused/seen: adaln_modulate 1/2]"
+    assert [c.pattern for c in report.chains] == ["adaln_modulate", "adaln_modulate"]
     lines = report.table().splitlines()
-    assert lines[0].split()[:3] == ["#", "location", "source"]
-    assert "fused" in lines[1] and "skipped: RMSNorm, not fused" in lines[2]
+    assert lines[0].split()[:4] == ["#", "pattern", "location", "source"]
+    assert "fused" in lines[1] and f"skipped: {unscaled}" in lines[2]
     assert lines[-1] == report.summary()
     assert str(report) == report.table()

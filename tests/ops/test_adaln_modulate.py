@@ -422,12 +422,12 @@ def test_missing_scale_and_bad_eps_raise():
 def test_kernels_take_modulation_in_x_dtype_or_float32_only():
     """The CUDA path's routing: modulation in another dtype than x's or float32 (bf16 scale of float32
     x, as autocast gives) goes to the reference, as float64 does; decided before any build."""
-    from adaptiveload.ops.adaln_modulate import _kernel_module
+    from adaptiveload.ops.common import kernel_module
 
     x32, s16 = torch.randn(2, 5, 8), torch.randn(2, 1, 8, dtype=torch.bfloat16)
-    assert _kernel_module(x32, None, None, s16, None) is None
-    assert _kernel_module(x32, None, None, s16.float(), s16) is None
-    assert _kernel_module(x32.double(), None, None, s16.float(), None) is None
+    assert kernel_module(x32, (None, None), (s16, None)) is None
+    assert kernel_module(x32, (None, None), (s16.float(), s16)) is None
+    assert kernel_module(x32.double(), (None, None), (s16.float(), None)) is None
 
 
 def test_double_backward_raises():
@@ -443,7 +443,7 @@ def test_double_backward_raises():
 @pytest.mark.parametrize("name", ["ADAPTIVELOAD_FWD_STAGES", "ADAPTIVELOAD_BWD_STAGES"])
 def test_ring_stage_setting(monkeypatch, name):
     """Unset: "auto" (-1, the launcher's choice); 0 and 2..8 pass through; anything else names the variable."""
-    from adaptiveload.ops.adaln_modulate import _ring_stages
+    from adaptiveload.ops.common import ring_stages as _ring_stages
 
     monkeypatch.delenv(name, raising=False)
     assert _ring_stages(name) == -1
@@ -458,7 +458,7 @@ def test_ring_stage_setting(monkeypatch, name):
 
 def test_fwd_row_order_setting(monkeypatch):
     """Unset or "interleave": interleaved rows; "tile": consecutive rows; anything else names the variable."""
-    from adaptiveload.ops.adaln_modulate import _fwd_interleave
+    from adaptiveload.ops.common import fwd_interleave as _fwd_interleave
 
     monkeypatch.delenv("ADAPTIVELOAD_FWD_ROW_ORDER", raising=False)
     assert _fwd_interleave() is True
@@ -473,7 +473,7 @@ def test_fwd_row_order_setting(monkeypatch):
 
 def test_fwd_store_setting(monkeypatch):
     """Unset or "auto": -1 (the launcher's choice); "threads": 0; "bulk": 1; anything else names the variable."""
-    from adaptiveload.ops.adaln_modulate import _fwd_store
+    from adaptiveload.ops.common import fwd_store as _fwd_store
 
     monkeypatch.delenv("ADAPTIVELOAD_FWD_STORE", raising=False)
     assert _fwd_store() == -1
@@ -489,7 +489,7 @@ def test_fwd_store_setting(monkeypatch):
 def test_fwd_tail_setting(monkeypatch):
     """Unset or "auto": (-1, 8), the launcher's share; "P" and "P/R": P percent in blocks of R rows
     (8 if not given); anything else names the variable."""
-    from adaptiveload.ops.adaln_modulate import _fwd_tail
+    from adaptiveload.ops.common import fwd_tail as _fwd_tail
 
     monkeypatch.delenv("ADAPTIVELOAD_FWD_TAIL", raising=False)
     assert _fwd_tail() == (-1, 8)
@@ -505,7 +505,7 @@ def test_fwd_tail_setting(monkeypatch):
 def test_bwd_design_setting(monkeypatch):
     """Unset or "one_pass": the one-pass backward; "two_kernel": the reference design; anything else
     (a near miss included) names the variable."""
-    from adaptiveload.ops.adaln_modulate import _two_kernel_backward
+    from adaptiveload.ops.common import two_kernel_backward as _two_kernel_backward
 
     monkeypatch.delenv("ADAPTIVELOAD_BWD", raising=False)
     assert _two_kernel_backward() is False
@@ -520,7 +520,7 @@ def test_bwd_design_setting(monkeypatch):
 
 def test_max_threads_setting(monkeypatch):
     """Unset or "auto": 0 (the launcher's block shape); 32..512 pass through; anything else names the variable."""
-    from adaptiveload.ops.adaln_modulate import _max_threads
+    from adaptiveload.ops.common import max_threads as _max_threads
 
     monkeypatch.delenv("ADAPTIVELOAD_MAX_THREADS", raising=False)
     assert _max_threads() == 0

@@ -1,10 +1,11 @@
-"""Plain-PyTorch reference math of the fused LayerNorm->modulate op (the CPU implementation).
+"""Plain-PyTorch reference math of ``adaln_modulate``, the fused LayerNorm->modulate op (its CPU
+implementation).
 
     y = (x_hat * weight + bias) * (1 + scale) + shift,   x_hat = (x - mean) * rstd   (per row of D)
 
 Statistics and arithmetic run in float32 (float64 when any input is float64, so gradcheck is
 meaningful); the output is cast once to the requested dtype. The backward formulas are the ones
-the CUDA kernels implement (see ``csrc/``):
+the CUDA kernels implement (see ``csrc/norm_modulate_backward.cuh``):
 
 * dshift  = sum of dy over the dims where shift broadcasts
 * dscale  = sum of dy * (x_hat * w + b) over the dims where scale broadcasts
@@ -18,21 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-
-def compute_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
-    """float64 if any given tensor is float64, else float32."""
-    if any(t is not None and t.dtype == torch.float64 for t in tensors):
-        return torch.float64
-    return torch.float32
-
-
-def _output(t: Tensor, dtype: torch.dtype, copy: bool = False) -> Tensor:
-    """``t`` in ``dtype`` and contiguous, the layout the fake kernels promise for every output (a
-    gradient arriving transposed would otherwise lay out dx like it), in at most one copy; a copy
-    also when ``copy`` (an op output must not alias an input)."""
-    if t.is_contiguous() and not copy:
-        return t.to(dtype)
-    return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format).copy_(t)
+from adaptiveload.ops.common import compute_dtype, modulate, modulation_grads, output
 
 
 def _normalize(x: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -65,10 +52,8 @@ def forward(
     mean and rstd [*x.shape[:-1]] in the compute dtype (float32, or float64 for float64 inputs)."""
     ct = compute_dtype(x, weight, bias, scale, shift)
     x_hat, mean, rstd = _normalize(x, eps, ct)
-    y = _affine(x_hat, weight, bias) * (1 + scale.to(ct))
-    if shift is not None:
-        y = y + shift.to(ct)
-    return _output(y, out_dtype), mean.contiguous(), rstd.contiguous()
+    y = modulate(_affine(x_hat, weight, bias), scale, shift)
+    return output(y, out_dtype), mean.contiguous(), rstd.contiguous()
 
 
 def backward(
@@ -91,10 +76,7 @@ def backward(
     ct = compute_dtype(x, weight, bias, scale, shift)
     x_hat = (x.to(ct) - mean.to(ct).unsqueeze(-1)) * rstd.to(ct).unsqueeze(-1)
     dyf = dy.to(ct)
-    n = _affine(x_hat, weight, bias)
-    # copy=True: for per-token shift the sum is dy itself, and an op output must not alias an input
-    dshift = None if shift is None else _output(dyf.sum_to_size(shift.shape), shift.dtype, copy=True)
-    dscale = _output((dyf * n).sum_to_size(scale.shape), scale.dtype)
+    dscale, dshift = modulation_grads(dyf, _affine(x_hat, weight, bias), scale, shift)
     dn = dyf * (1 + scale.to(ct))
     row_dims = tuple(range(x.dim() - 1))
     dweight = None if weight is None else (dn * x_hat).sum(dim=row_dims).to(weight.dtype)
@@ -103,4 +85,4 @@ def backward(
     dx = rstd.to(ct).unsqueeze(-1) * (
         g - g.mean(dim=-1, keepdim=True) - x_hat * (g * x_hat).mean(dim=-1, keepdim=True)
     )
-    return _output(dx, x.dtype), dweight, dbias, dscale, dshift
+    return output(dx, x.dtype), dweight, dbias, dscale, dshift

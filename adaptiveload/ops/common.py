@@ -1,0 +1,407 @@
+"""What every norm→modulate op of the ``adaptiveload`` namespace shares: input checks (modulation
+layouts, devices, dtypes), the per-signature validation cache, the Autograd-key kernel, the
+reference math's helpers, and the CUDA path's settings and kernel selection.
+
+Each op family (``adaln_modulate/``, ``rms_norm_modulate/``) registers its schemas, fake kernels,
+reference and CUDA kernels with the dispatcher directly (``torch.library.Library``) rather than with
+``torch.library.custom_op``, whose per-call machinery (argument re-packing, a dataclass, an
+output-aliasing check, extra redispatches) made a forward+backward cost the host about 1.7x the time
+of these registrations (no-op kernels, CPU). The kernels return fresh tensors, never inputs or views
+of them. Eager kernels validate their inputs once per distinct signature of shapes, dtypes, devices
+and scalar arguments (:func:`validate`), fake kernels on every trace.
+
+Conventions shared by the families, which :func:`differentiable` relies on:
+
+* forward ``op(x, <tensors>..., float eps, ScalarType out_dtype) -> (y, <per-row statistics>...)``;
+* backward ``op_backward(dy, x, <tensors>..., <statistics>...) -> (dx, d<tensor>...)``, one gradient
+  per tensor input in its own shape and dtype, an empty [0] tensor for an absent (None) input.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from adaptiveload.ops import extension
+
+# Modulation layouts, as classified by :func:`modulation_layout`.
+PER_SAMPLE = "per-sample"  # [B, 1, ..., 1, D] (also [B, D] for 2-D x): one row per sample
+PER_TOKEN = "per-token"  # [B or 1, N..., D]: one row per token
+SHARED = "shared"  # [D] or [1, ..., 1, D]: one row for everything
+
+FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def describe(name: str, t: Tensor) -> str:
+    """``"name (shape [..], dtype ..)"`` for error messages."""
+    return f"{name} (shape {list(t.shape)}, dtype {t.dtype})"
+
+
+def check_devices(op: str, x: Tensor, named: dict) -> None:
+    """Every tensor of ``named`` (None skipped) on x's device, else ``ValueError`` naming it."""
+    for name, t in named.items():
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{op}: {describe(name, t)} is on {t.device} but x is on {x.device}; "
+                             "every input must be on x's device")
+
+
+def modulation_layout(mod_shape, x_shape) -> str:
+    """Classify how a modulation tensor of ``mod_shape`` broadcasts over ``x_shape`` ([B, ..., D]).
+
+    Returns one of ``"per-sample"``, ``"per-token"``, ``"shared"``.
+
+    Raises:
+        ValueError: the modulation does not broadcast to ``x_shape`` in one of those three ways
+            (wrong last dim, more dims than x, a batch dim other than 1 or B, or middle dims that
+            are neither all 1 nor all equal to x's).
+    """
+    mod_shape, x_shape = list(mod_shape), list(x_shape)
+    if len(mod_shape) > len(x_shape) or len(mod_shape) == 0 or mod_shape[-1] != x_shape[-1]:
+        raise ValueError(f"shape {mod_shape} does not broadcast over x of shape {x_shape}")
+    padded = [1] * (len(x_shape) - len(mod_shape)) + mod_shape
+    batch, middle, x_middle = padded[0], padded[1:-1], x_shape[1:-1]
+    if len(x_shape) == 2:  # [B, D]: a row per sample is a row per token
+        if batch == 1:
+            return SHARED if x_shape[0] != 1 else PER_SAMPLE
+        if batch == x_shape[0]:
+            return PER_SAMPLE
+    elif batch in (1, x_shape[0]):
+        if all(m == 1 for m in middle):
+            return SHARED if batch == 1 and x_shape[0] != 1 else PER_SAMPLE
+        if middle == x_middle:
+            return PER_TOKEN
+    raise ValueError(
+        f"shape {mod_shape} is not a supported modulation layout for x of shape {x_shape}: expected "
+        f"[B, 1, ..., 1, D] (per-sample), [B or 1, {', '.join(map(str, x_middle)) or 'N'}, D] (per-token) "
+        f"or [D] (shared)"
+    )
+
+
+def check_common(op: str, x: Tensor, params: dict, mods: dict, out_dtype: torch.dtype,
+                 eps: Optional[float]) -> None:
+    """The checks every norm→modulate op makes: ``scale`` given, ``eps`` >= 0 (None: not checked),
+    x of 2+ dims, a floating ``out_dtype``, every tensor floating and on x's device, each of
+    ``params`` (the norm's affine parameters) of shape [D], each of ``mods`` (scale, shift) of a
+    :func:`modulation_layout` over x.
+
+    Raises:
+        ValueError: naming the offending tensor and its shape (or device), or the bad eps / out_dtype.
+    """
+    if mods.get("scale") is None:
+        raise ValueError(f"{op}: scale is required ([B, 1, D], [B, N, D] or [D]; zeros for a shift only)")
+    if eps is not None and not eps >= 0:  # also NaN
+        raise ValueError(f"{op}: eps must be a non-negative number, got {eps}")
+    if x.dim() < 2:
+        raise ValueError(f"{op}: {describe('x', x)} must have at least 2 dims [B, ..., D]")
+    if out_dtype not in FLOATING:
+        raise ValueError(f"{op}: out_dtype must be a floating dtype, got {out_dtype}")
+    D = x.shape[-1]
+    named = {"x": x, **params, **mods}
+    for name, t in named.items():
+        if t is not None and t.dtype not in FLOATING:
+            raise ValueError(f"{op}: {describe(name, t)} must be floating point")
+    check_devices(op, x, named)
+    for name, t in params.items():
+        if t is not None and list(t.shape) != [D]:
+            raise ValueError(f"{op}: {describe(name, t)} must have shape [{D}] (the last dim of x)")
+    for name, t in mods.items():
+        if t is None:
+            continue
+        try:
+            modulation_layout(t.shape, x.shape)
+        except ValueError as err:
+            raise ValueError(f"{op}: {describe(name, t)}: {err}") from None
+
+
+def check_backward_common(op: str, dy: Tensor, x: Tensor, stats: dict) -> None:
+    """dy floating of x's shape, each of ``stats`` floating with one value per row of x, all on x's
+    device. Raises ``ValueError`` naming the offending tensor and its shape."""
+    check_devices(op, x, {"dy": dy, **stats})
+    if dy.shape != x.shape or dy.dtype not in FLOATING:
+        raise ValueError(f"{op}: {describe('dy', dy)} must be floating point of x's shape {list(x.shape)}")
+    for name, t in stats.items():
+        if t.shape != x.shape[:-1] or t.dtype not in FLOATING:
+            raise ValueError(f"{op}: {describe(name, t)} must be floating point of shape "
+                             f"{list(x.shape[:-1])} (one per row of x)")
+
+
+_VALIDATED: set = set()  # signatures (check, others, shapes, dtypes, devices) that passed their check
+_MAX_VALIDATED = 4096
+
+
+def validate(check: Callable[..., None], tensors: tuple[Optional[Tensor], ...], *others) -> None:
+    """``check(*tensors, *others)``, skipped when a call with the same shapes, dtypes, devices and
+    ``others`` passed it before (the checks read nothing else of the tensors). Eager kernels only: a
+    shape of symbolic sizes (fake tensors) is not hashable. Remembers at most ``_MAX_VALIDATED``
+    signatures.
+
+    Raises:
+        ValueError: from ``check`` (never remembered, so a bad call raises every time).
+    """
+    key = (check, others, *[None if t is None else (t.shape, t.dtype, t.device) for t in tensors])
+    if key not in _VALIDATED:
+        check(*tensors, *others)
+        if len(_VALIDATED) >= _MAX_VALIDATED:
+            _VALIDATED.clear()
+        _VALIDATED.add(key)
+
+
+def or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
+    """Ops cannot return None: an absent gradient travels as an empty tensor."""
+    return like.new_empty((0,)) if t is None else t
+
+
+def grads_or_empty(grads, x: Tensor) -> tuple:
+    return tuple(or_empty(g, x) for g in grads)
+
+
+def empty_like_contiguous(t: Optional[Tensor], x: Tensor) -> Tensor:
+    """The fake output for the gradient of ``t``: a contiguous tensor like it, or [0] for None."""
+    return x.new_empty((0,)) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+# --- reference math ----------------------------------------------------------------------------
+
+
+def compute_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
+    """float64 if any given tensor is float64, else float32."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def output(t: Tensor, dtype: torch.dtype, copy: bool = False) -> Tensor:
+    """``t`` in ``dtype`` and contiguous, the layout the fake kernels promise for every output (a
+    gradient arriving transposed would otherwise lay out dx like it), in at most one copy; a copy
+    also when ``copy`` (an op output must not alias an input)."""
+    if t.is_contiguous() and not copy:
+        return t.to(dtype)
+    return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format).copy_(t)
+
+
+def modulate(n: Tensor, scale: Tensor, shift: Optional[Tensor]) -> Tensor:
+    """``n * (1 + scale) [+ shift]`` in n's dtype."""
+    y = n * (1 + scale.to(n.dtype))
+    return y if shift is None else y + shift.to(n.dtype)
+
+
+def modulation_grads(dyf: Tensor, n: Tensor, scale: Tensor, shift: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+    """``(dscale, dshift)`` of ``n * (1 + scale) + shift`` from dy (in the compute dtype): summed over
+    the dims where each broadcasts, in its own dtype, contiguous, never aliasing dy."""
+    # copy=True: for per-token shift the sum is dy itself, and an op output must not alias an input
+    dshift = None if shift is None else output(dyf.sum_to_size(shift.shape), shift.dtype, copy=True)
+    dscale = output((dyf * n).sum_to_size(scale.shape), scale.dtype)
+    return dscale, dshift
+
+
+# --- autograd -----------------------------------------------------------------------------------
+# What ``torch.library.register_autograd`` generates (torch/_library/autograd.py), less its per-call
+# work for features these schemas do not have (default and keyword-only arguments, out=). The
+# dispatch key set of the call travels into the autograd.Function as its first input, so the forward
+# redispatches below Autograd exactly as the no-grad path does.
+
+
+def _autograd_kernel(op: torch._ops.OpOverload, function: type[torch.autograd.Function]) -> Callable:
+    """The Autograd-key kernel of ``op``: ``function`` when grad mode is on and an input requires
+    grad, else ``op`` below Autograd."""
+    after_autograd = torch._C._after_autograd_keyset
+
+    def kernel(keyset, *args):
+        keyset = keyset & after_autograd
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return function.apply(keyset, *args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset, *args)
+
+    return kernel
+
+
+def differentiable(lib: torch.library.Library, name: str, n_tensors: int) -> None:
+    """Register the Autograd kernels of ``name`` and ``name_backward`` (the conventions of the
+    module doc): the forward saves its ``n_tensors`` tensor inputs and its statistics outputs (which
+    are non-differentiable) and its backward calls ``name_backward``, keeping the gradients of the
+    inputs that need one; ``name_backward`` has no derivative (first derivatives only)."""
+    forward = getattr(torch.ops.adaptiveload, name).default
+    backward = getattr(torch.ops.adaptiveload, f"{name}_backward").default
+
+    class Forward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, keyset, *args):
+            with torch._C._AutoDispatchBelowAutograd():
+                y, *stats = forward.redispatch(keyset, *args)
+            ctx.save_for_backward(*args[:n_tensors], *stats)
+            ctx.mark_non_differentiable(*stats)
+            return (y, *stats)
+
+        @staticmethod
+        def backward(ctx, dy, *_dstats):
+            grads = backward(dy, *ctx.saved_tensors)
+            needs = ctx.needs_input_grad[1:1 + n_tensors]
+            extra = len(ctx.needs_input_grad) - 1 - n_tensors  # eps, out_dtype
+            return (None, *(g if need else None for g, need in zip(grads, needs)), *([None] * extra))
+
+    class Backward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, keyset, *args):
+            with torch._C._AutoDispatchBelowAutograd():
+                return backward.redispatch(keyset, *args)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            raise RuntimeError(f"adaptiveload::{name}_backward has no derivative: {name} supports first "
+                               "derivatives only (no double backward)")
+
+    Forward.__name__, Backward.__name__ = f"{name}_function", f"{name}_backward_function"
+    lib.impl(name, _autograd_kernel(forward, Forward), "Autograd", with_keyset=True)
+    lib.impl(f"{name}_backward", _autograd_kernel(backward, Backward), "Autograd", with_keyset=True)
+
+
+# --- CUDA path ----------------------------------------------------------------------------------
+# The csrc/ kernels (built on first use by ``extension``), else the reference. The extension's entry
+# points take the op's own arguments and do the per-call layout work in C++ (x as a contiguous
+# [B, N, D]; each modulation as a [B or 1, N or 1, D] view with unit stride along D, its batch and
+# token strides passed, so a .chunk() view is not copied; dy made contiguous like x, whatever layout
+# autograd hands it; dtype casts; output views), which costs far less host time per launch than the
+# same tensor calls from Python. Every output is a fresh contiguous tensor, on the kernel path and
+# the reference path alike: the layout the fake kernels promise, which compiled graphs assert.
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_FEATURES = 16384  # widest row the kernels take (csrc/norm_modulate.cuh: kMaxFeatures)
+
+
+def setting(name: str, default: str, choices: Optional[tuple[str, ...]] = None) -> str:
+    """Environment variable ``name``, stripped and lower-cased (``default`` when unset).
+
+    Raises:
+        ValueError: ``choices`` given and the value is not one of them (the message names the variable).
+    """
+    value = os.environ.get(name, default).strip().lower()
+    if choices is not None and value not in choices:
+        listed = ", ".join(repr(c) for c in choices[:-1])
+        raise ValueError(f"{name}={value!r}: expected {listed} or {choices[-1]!r}")
+    return value
+
+
+def max_threads() -> int:
+    """``ADAPTIVELOAD_MAX_THREADS``: threads-per-block cap of the kernels' row blocks, a tuning knob
+    for benchmarks ("auto", the default: the launcher's choice, 0; 32-512: that cap, fewer threads
+    meaning more 16-byte chunks a thread).
+
+    Raises:
+        ValueError: a value other than "auto" or an integer 32..512.
+    """
+    value = setting("ADAPTIVELOAD_MAX_THREADS", "auto")
+    if value == "auto":
+        return 0
+    if value.isdecimal() and 32 <= int(value) <= 512:
+        return int(value)
+    raise ValueError(f"ADAPTIVELOAD_MAX_THREADS={value!r}: expected 'auto' or 32..512")
+
+
+def ring_stages(name: str) -> int:
+    """``ADAPTIVELOAD_FWD_STAGES`` / ``ADAPTIVELOAD_BWD_STAGES``: rows of the forward's / backward
+    row kernel's shared-memory ring on sm_90 ("auto", the default: the launcher's choice, about
+    32 KB (forward) / 64 KB (backward) of rows, 2 rows in the backward with per-token scale; 2-8:
+    that many rows; "0": the register prefetch of one row). The kernels use the register prefetch
+    where the ring cannot run (unaligned rows, a forward row wider than 4 chunks a thread (2
+    per-token), a backward row wider than 16 elements a thread, GPUs before sm_90).
+
+    Raises:
+        ValueError: a value other than "auto" or an integer 0, 2..8.
+    """
+    value = setting(name, "auto")
+    if value == "auto":
+        return -1
+    if value.isdecimal() and (int(value) == 0 or 2 <= int(value) <= 8):
+        return int(value)
+    raise ValueError(f"{name}={value!r}: expected 'auto', 0 or 2..8")
+
+
+def fwd_interleave() -> bool:
+    """``ADAPTIVELOAD_FWD_ROW_ORDER``: which rows a forward block takes ("interleave", the default:
+    rows t, t + tiles, t + 2 tiles, ... of its sample, so the blocks of the wave read neighbouring
+    rows at any time; "tile": a tile of consecutive rows). A tuning knob for benchmarks; the result
+    is bit for bit the same.
+
+    Raises:
+        ValueError: a value other than "tile" or "interleave".
+    """
+    return setting("ADAPTIVELOAD_FWD_ROW_ORDER", "interleave", ("tile", "interleave")) == "interleave"
+
+
+_FWD_STORES = {"auto": -1, "threads": 0, "bulk": 1}
+
+
+def fwd_store() -> int:
+    """``ADAPTIVELOAD_FWD_STORE``: how the ring forward writes y ("auto", the default, -1: the
+    launcher's choice, "bulk" for rows of up to 6 KB; "threads", 0: each thread its own 16-byte
+    groups; "bulk", 1: into the row's ring slot, then one bulk store by the copy engine, where the
+    modulation is per-sample or shared, y has x's element size and the ring has 3 or more slots,
+    else as "threads"). A tuning knob for benchmarks; y is bit for bit the same.
+
+    Raises:
+        ValueError: a value other than "auto", "threads" or "bulk".
+    """
+    return _FWD_STORES[setting("ADAPTIVELOAD_FWD_STORE", "auto", tuple(_FWD_STORES))]
+
+
+def fwd_tail() -> tuple:
+    """``ADAPTIVELOAD_FWD_TAIL``: "auto" (the launcher's share), "0" (none) or "P" / "P/R": P percent
+    (0..50) of each sample's rows left to short blocks of R (1..65536, default 8) consecutive rows,
+    launched after the interleaved wave. A tuning knob for benchmarks; y is bit for bit the same.
+
+    Raises:
+        ValueError: anything else.
+    """
+    value = setting("ADAPTIVELOAD_FWD_TAIL", "auto")
+    if value == "auto":
+        return -1, 8
+    pct, slash, rows = value.partition("/")
+    rows = rows if slash else "8"
+    if pct.isdecimal() and int(pct) <= 50 and rows.isdecimal() and 1 <= int(rows) <= 65536:
+        return int(pct), int(rows)
+    raise ValueError(f"ADAPTIVELOAD_FWD_TAIL={value!r}: expected 'auto', 'P' or 'P/R' (P 0..50, R 1..65536)")
+
+
+def two_kernel_backward() -> bool:
+    """``ADAPTIVELOAD_BWD``: the backward's design ("one_pass", the default: one pass over (dy, x)
+    with the column partials kept per tile; "two_kernel": the reference design, a dx kernel and a
+    column kernel re-reading x and dy). A knob for benchmarks; the gradients agree to fp32 rounding.
+
+    Raises:
+        ValueError: a value other than "one_pass" or "two_kernel".
+    """
+    return setting("ADAPTIVELOAD_BWD", "one_pass", ("one_pass", "two_kernel")) == "two_kernel"
+
+
+def forward_settings() -> tuple:
+    """The forward kernels' tuning settings, read on every CUDA call (so that a bad value raises
+    also where the reference runs): max_threads, stages, interleave, store, tail_pct, tail_rows."""
+    return (max_threads(), ring_stages("ADAPTIVELOAD_FWD_STAGES"), fwd_interleave(), fwd_store(), *fwd_tail())
+
+
+def backward_settings() -> tuple:
+    """The backward kernels' tuning settings (as :func:`forward_settings`): two_kernel, max_threads,
+    stages."""
+    return two_kernel_backward(), max_threads(), ring_stages("ADAPTIVELOAD_BWD_STAGES")
+
+
+def kernel_module(x: Tensor, params: tuple, mods: tuple, others: tuple = ()):
+    """The kernel module when the kernels apply to these inputs, else None (reference path): float64
+    anywhere (the reference computes in float64), empty x, rows wider than the kernels take, and
+    modulation in neither x's dtype nor float32 (e.g. bf16 modulation of float32 x under autocast).
+
+    Args:
+        x: the op's input; params: the norm's affine parameters (None for absent ones); mods: scale,
+            shift (None when absent); others: further tensors that must be of a kernel dtype (the
+            saved statistics, dy).
+    """
+    if x.numel() == 0 or x.shape[-1] > MAX_FEATURES:
+        return None
+    if any(t is not None and t.dtype not in KERNEL_DTYPES for t in (x, *params, *others)):
+        return None
+    if any(m is not None and m.dtype not in (x.dtype, torch.float32) for m in mods):
+        return None  # (with x of a kernel dtype this also keeps float64 modulation out)
+    return extension.kernels()
