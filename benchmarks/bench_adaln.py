@@ -8,8 +8,9 @@ For each shape: median (and p20/p80) forward, backward and forward+backward time
               backend rewrites the chain into the fused op and Inductor compiles the rest (the
               Linear); what a compiled model runs, without the op's eager autograd layer
 where, for per-sample modulation, every implementation computes scale and shift in the graph from a
-Linear -> chunk -> unsqueeze (torch 2.11 Inductor fails backward with B = 1 leaf modulation; see
-../shared/ANCHORS.md), and per-token scale and shift are the two halves (.chunk) of one [B, N, 2D]
+Linear -> chunk -> unsqueeze (torch 2.11 Inductor fails backward with B = 1 leaf modulation: the
+op's own test of it is tests/ops/test_adaln_modulate.py::test_batch1_leaf_modulation_grads_keep_their_shape_and_values),
+and per-token scale and shift are the two halves (.chunk) of one [B, N, 2D]
 leaf. The fused op also gets "op only" rows: the forward kernel alone and the backward op alone
 (one-pass, and the two-kernel reference design), which the speed-of-light (SoL) fractions use.
 

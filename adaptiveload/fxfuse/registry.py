@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 from torch.fx import GraphModule, Node
 
 #: The built-in patterns, in the order they are tried: module paths that register one each on import.
-BUILTIN_MODULES = ("adaptiveload.ops.adaln_modulate.pattern", )  # rms_norm_modulate: added with its op
+BUILTIN_MODULES = ("adaptiveload.ops.adaln_modulate.pattern", "adaptiveload.ops.rms_norm_modulate.pattern")
 
 
 @dataclass

@@ -8,5 +8,7 @@ what they share, ``extension.py`` builds the ``csrc/`` kernels.
 """
 from adaptiveload.ops.adaln_modulate import adaln_modulate, adaln_modulate_backward
 from adaptiveload.ops.common import modulation_layout
+from adaptiveload.ops.rms_norm_modulate import rms_norm_modulate, rms_norm_modulate_backward
 
-__all__ = ["adaln_modulate", "adaln_modulate_backward", "modulation_layout"]
+__all__ = ["adaln_modulate", "adaln_modulate_backward", "rms_norm_modulate", "rms_norm_modulate_backward",
+           "modulation_layout"]

@@ -16,87 +16,17 @@ from hypothesis import strategies as st
 
 import adaptiveload  # noqa: F401  (registers torch.ops.adaptiveload.*)
 from adaptiveload.ops import extension
+from adaptiveload.ops.testing import (GRAD_LAYOUTS, LAYOUTS, TOL, assert_rel, lay_out_grad, make_mod,
+                                       rel_err)
 
 
 EPS = 1e-6
-LAYOUTS = ("per-sample", "per-token", "shared", "strided-per-sample", "strided-per-token", "batch1-per-token")
-# ||out - ref|| / ||ref|| bound for a result computed in float32 and rounded once to dtype
-TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 6e-3, torch.float16: 1.5e-3}
-
-
-def make_mod(layout: str, x_shape, dtype, device, gen) -> torch.Tensor:
-    """A leaf modulation tensor for x of x_shape in one of LAYOUTS (strided ones are views of a
-    larger leaf, the way a .chunk() of a [B, k*D] embedding is)."""
-    B, D = x_shape[0], x_shape[-1]
-    tokens = list(x_shape[1:-1])
-    ones = [1] * len(tokens)
-
-    def randn(*shape):
-        return (0.5 * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype).to(device)
-
-    if layout == "per-sample":
-        return randn(B, *ones, D)
-    if layout == "per-token":
-        return randn(B, *tokens, D)
-    if layout == "shared":
-        return randn(D)
-    if layout == "batch1-per-token":
-        return randn(1, *tokens, D)
-    if layout == "strided-per-sample":  # [B, 3*D].chunk(3)[1], unsqueezed over the tokens
-        return randn(B, 3 * D).chunk(3, dim=-1)[1].view(B, *ones, D)
-    if layout == "strided-per-token":  # [B, *tokens, 2*D].chunk(2)[1]
-        return randn(B, *tokens, 2 * D).chunk(2, dim=-1)[1]
-    raise AssertionError(layout)
-
-
-GRAD_LAYOUTS = ("contiguous", "feature-major", "strided", "expanded")
-
-
-def lay_out_grad(layout: str, g: torch.Tensor) -> torch.Tensor:
-    """``g`` [B, ..., D] in one of GRAD_LAYOUTS, the layouts autograd hands the op's backward:
-    contiguous; feature-major (D outermost: the gradient of ``matmul(y.transpose(1, 2), W)``);
-    strided (every other element of a wider tensor); expanded (stride 0 along the second-last dim,
-    as ``y.sum()`` gives; this one keeps only the first row of that dim)."""
-    if layout == "contiguous":
-        return g
-    if layout == "feature-major":
-        return g.movedim(-1, 0).contiguous().movedim(0, -1)
-    if layout == "strided":
-        return torch.stack([g, torch.zeros_like(g)], dim=-1)[..., 0]
-    if layout == "expanded":
-        return g.narrow(-2, 0, 1).expand(g.shape)
-    raise AssertionError(layout)
-
-
 def eager_chain(x, weight, bias, scale, shift, out_dtype=None):
     """``F.layer_norm(x, ...) * (1 + scale) + shift`` exactly as a user writes it (in x's dtype)."""
     y = F.layer_norm(x, (x.shape[-1],), weight, bias, EPS) * (1 + scale)
     if shift is not None:
         y = y + shift
     return y if out_dtype is None else y.to(out_dtype)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64. The denominator has a floor of 0.1 per element (the
-    inputs are O(1)): a gradient that is zero in exact arithmetic (D = 1: x_hat = 0) is compared
-    absolutely, not against the rounding noise of the reference (float64 eager at D = 1 leaves
-    ~2e-12 in dweight after rstd = eps^-1/2 = 1000 amplifies it; the op's exact 0 must pass)."""
-    diff = (out.double() - ref.double()).norm().item()
-    den = max(ref.double().norm().item(), 1e-1 * math.sqrt(max(ref.numel(), 1)))
-    return diff / den
-
-
-def assert_rel(out, ref, tol, what):
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    assert torch.isfinite(out.double()).all(), f"{what}: non-finite values"
-    err = rel_err(out, ref)
-    if not err <= tol:
-        bad = (out.double() - ref.double()).abs()
-        worst = bad.flatten().argmax().item()
-        pytest.fail(
-            f"{what}: rel err {err:.3e} > {tol:.1e}; worst element {worst}: got {out.flatten()[worst].item()!r}, "
-            f"want {ref.flatten()[worst].item()!r}; {(bad > tol * ref.double().abs().max()).sum().item()} mismatches"
-        )
 
 
 def check_against_float64(x_shape, dtype, scale_layout, shift_layout, affine, device, seed, mod_fp32=False,
@@ -808,7 +738,7 @@ def test_kernels_wan_dtype_pattern_bf16_x_fp32_modulation(kernels):
 @pytest.mark.cuda
 @pytest.mark.parametrize("layout", ["per-sample", "per-token"])
 def test_kernels_bf16_accuracy_matches_inductor_bound(kernels, layout):
-    """bf16 output rounded once from fp32: no worse than Inductor's ~1.7e-3 (ANCHORS.md), and better
+    """bf16 output rounded once from fp32: no worse than Inductor's ~1.7e-3 (docs/measurements.md; benchmarks/results/adaln_h200_v6.md), and better
     than the eager chain's two roundings."""
     gen = torch.Generator().manual_seed(9)
     x_shape = (2, 8192, 3072)

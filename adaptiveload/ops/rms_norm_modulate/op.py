@@ -1,0 +1,122 @@
+"""``torch.ops.adaptiveload.rms_norm_modulate``: RMSNorm followed by adaptive modulation, as one op.
+
+    y = (rms_norm(x, weight) * (1 + scale) [+ shift]).to(out_dtype)
+
+Registrations, in one place, one per dispatch key: the schemas (``torch.library.Library.define``),
+input validation, the fake kernels (symbolic shapes), the autograd formula (an Autograd-key kernel
+around a ``torch.autograd.Function`` that calls ``adaptiveload::rms_norm_modulate_backward``, see
+:func:`adaptiveload.ops.common.differentiable`), the reference implementation (``reference.py``: CPU
+and any device without its own kernel) and the CUDA implementation (the ``csrc/`` kernels, templated
+on the norm type with the LayerNorm op's, falling back to the reference with one warning when they
+cannot be built). float64 inputs and rows wider than the kernels' limit use the reference.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from adaptiveload.ops import common
+from adaptiveload.ops.rms_norm_modulate import reference
+
+_OP = "rms_norm_modulate"
+
+
+def check_inputs(
+    x: Tensor,
+    weight: Optional[Tensor],
+    scale: Tensor,
+    shift: Optional[Tensor],
+    out_dtype: torch.dtype,
+    eps: Optional[float] = None,
+) -> None:
+    """Validate the op's inputs; raise ``ValueError`` naming the offending tensor and its shape (or
+    device), or the bad ``eps`` / ``out_dtype``."""
+    common.check_common(_OP, x, {"weight": weight}, {"scale": scale, "shift": shift}, out_dtype, eps)
+
+
+def check_backward_inputs(
+    dy: Tensor,
+    x: Tensor,
+    weight: Optional[Tensor],
+    scale: Tensor,
+    shift: Optional[Tensor],
+    rstd: Tensor,
+) -> None:
+    """Validate :func:`rms_norm_modulate_backward`'s inputs (those of the forward, dy of x's shape
+    and one rstd per row); raise ``ValueError`` naming the offending tensor and its shape."""
+    check_inputs(x, weight, scale, shift, x.dtype)
+    common.check_backward_common(f"{_OP}_backward", dy, x, {"rstd": rstd})
+
+
+_lib = torch.library.Library("adaptiveload", "FRAGMENT")  # kept alive: the registrations live as long as it
+_lib.define(
+    "rms_norm_modulate(Tensor x, Tensor? weight, Tensor scale, Tensor? shift, float eps, ScalarType out_dtype) "
+    "-> (Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+_lib.define(
+    "rms_norm_modulate_backward(Tensor dy, Tensor x, Tensor? weight, Tensor scale, Tensor? shift, Tensor rstd) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+rms_norm_modulate = torch.ops.adaptiveload.rms_norm_modulate
+rms_norm_modulate_backward = torch.ops.adaptiveload.rms_norm_modulate_backward
+
+
+def _rms_norm_modulate_reference(x, weight, scale, shift, eps, out_dtype):
+    """``rms_norm_modulate`` on CPU (and any device without its own kernel): fused
+    ``rms_norm(x, weight) * (1 + scale) [+ shift]``, cast to ``out_dtype``.
+
+    Args:
+        x: [B, ..., D] float16/bfloat16/float32/float64; the first dim is the modulation batch.
+        weight: optional RMSNorm weight, [D] (None: LTX-Video's weightless RMSNorm).
+        scale: modulation, broadcast over x per-sample ([B, 1, D]), per-token ([B, N, D]) or shared
+            ([D], [1, 1, D]); strided views (a ``.chunk()`` of a [B, k*D] embedding) are fine.
+        shift: optional (None: scale-only, as Mochi, Lumina2 and Z-Image modulate), same layouts as
+            ``scale`` (each may have its own).
+        eps: RMSNorm epsilon, added to the mean of squares.
+        out_dtype: dtype of ``y`` (the dtype the replaced chain produced).
+
+    Returns:
+        ``(y, rstd)``: y [*x.shape] in ``out_dtype``; rstd = 1 / sqrt(mean(x^2) + eps)
+        [*x.shape[:-1]] in float32 (float64 for float64 inputs), saved for backward.
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit (the message names the tensor and its shape).
+    """
+    common.validate(check_inputs, (x, weight, scale, shift), out_dtype, eps)
+    return reference.forward(x, weight, scale, shift, eps, out_dtype)
+
+
+@torch.library.register_fake("adaptiveload::rms_norm_modulate", lib=_lib)
+def _rms_norm_modulate_fake(x, weight, scale, shift, eps, out_dtype):
+    check_inputs(x, weight, scale, shift, out_dtype, eps)
+    stat_dtype = common.compute_dtype(x, weight, scale, shift)
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:-1], dtype=stat_dtype)
+
+
+def _rms_norm_modulate_backward_reference(dy, x, weight, scale, shift, rstd):
+    """``rms_norm_modulate_backward`` on CPU (and any device without its own kernel): the gradients
+    of ``rms_norm_modulate`` from dy [*x.shape] and the saved per-row rstd.
+
+    Returns ``(dx, dweight, dscale, dshift)`` in each input's own shape and dtype; the gradient of
+    an absent weight/shift is an empty tensor of shape [0].
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit (the message names the tensor and its shape).
+    """
+    common.validate(check_backward_inputs, (dy, x, weight, scale, shift, rstd))
+    return common.grads_or_empty(reference.backward(dy, x, weight, scale, shift, rstd), x)
+
+
+@torch.library.register_fake("adaptiveload::rms_norm_modulate_backward", lib=_lib)
+def _rms_norm_modulate_backward_fake(dy, x, weight, scale, shift, rstd):
+    check_backward_inputs(dy, x, weight, scale, shift, rstd)
+    return tuple(common.empty_like_contiguous(t, x) for t in (x, weight, scale, shift))
+
+
+_lib.impl("rms_norm_modulate", _rms_norm_modulate_reference, "CompositeExplicitAutograd")
+_lib.impl("rms_norm_modulate_backward", _rms_norm_modulate_backward_reference, "CompositeExplicitAutograd")
+common.differentiable(_lib, "rms_norm_modulate", n_tensors=4)
