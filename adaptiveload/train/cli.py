@@ -3,6 +3,7 @@
     adaptiveload train                                   # tiny model, reference mix, CPU, < 1 minute
     adaptiveload train --preset wan2.1-1.3b --baseline   # one GPU, adaptiveload vs Inductor + equal_token
     torchrun --nproc-per-node 2 -m adaptiveload train --preset wan2.1-1.3b --num-layers 10
+    adaptiveload train --manifest data/manifest.csv --model my_dit.py:build   # your latents, your model
     adaptiveload calibrate --preset tiny --out calibration.json
 """
 from __future__ import annotations
@@ -11,11 +12,28 @@ import argparse
 import logging
 import os
 
-from adaptiveload.cliargs import (choice, deprecated_flag, int_list, non_negative_int, positive_float, positive_int)
+from adaptiveload.cliargs import (choice, deprecated_flag, int_list, int_triple, non_negative_int, positive_float,
+                                   positive_int)
 from adaptiveload.sched.policies import DEPRECATED_NAMES, POLICIES
+from adaptiveload.sched.shapes import WAN_VAE_STRIDE
 from adaptiveload.train.distributed import init_distributed
 
 logger = logging.getLogger("adaptiveload.train")
+
+DATA_NOTE = ("Data: SYNTHETIC by default -- random latents and text embeddings of each sample's shape, for "
+             "throughput benchmarks; a --manifest with latent_path,text_path columns trains on your own files.")
+MODEL_CONTRACT = (
+    "Your model (--model): FILE.py:FACTORY or MODULE:FACTORY (the current directory is importable) names a "
+    "function of no arguments returning an nn.Module called as model(latents [B, C, T, H, W], timestep [B] "
+    "(0..1000), context [B, L, text_dim]) -> prediction [B, C, T, H, W] (the flow-matching velocity). It needs "
+    ".config (an object or a dict) with in_channels, text_dim, patch_size (pt, ph, pw) -- three ints: the "
+    "token geometry -- and text_len (default 512; shorter text embeddings are zero-padded to it), plus dim and "
+    "num_layers for --activation-checkpointing auto; its repeated transformer blocks in .blocks (an "
+    "nn.ModuleList: each block is compiled and FSDP2-sharded on its own; else the longest ModuleList is "
+    "used), and without such blocks a set_activation_checkpointing(bool) method. Leave its own activation "
+    "checkpointing off: the step checkpoints inside each block. A model whose config.patch_size is an int "
+    "(diffusers' Flux, HunyuanVideo, CogVideoX) needs a wrapper that takes and returns [B, C, T, H, W] and "
+    "has a (pt, ph, pw) patch_size: adaptiveload/train/diffusers_wan.py is one, for diffusers' Wan.")
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -25,9 +43,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("model and compile")
     group.add_argument("--preset", default=None, help="reference model preset: tiny (default), wan2.1-1.3b, wan2.1-14b")
     group.add_argument("--model", default=None, metavar="MODULE:FACTORY",
-                       help="your model: a function returning an nn.Module called as model(latents, timestep, context); "
-                            "diffusers' Wan: adaptiveload.train.diffusers_wan:wan_1_3b")
+                       help="your model: FILE.py:FACTORY or MODULE:FACTORY, a function returning an nn.Module "
+                            "called as model(latents, timestep, context) (the contract is below); diffusers' "
+                            "Wan: adaptiveload.train.diffusers_wan:wan_1_3b")
     group.add_argument("--num-layers", type=positive_int, default=None, help="keep only this many blocks of a preset")
+    group.add_argument("--patch-size", type=int_triple, default=None, metavar="T,H,W",
+                       help="a preset's DiT patch (pt,ph,pw), e.g. 2,2,2 for CogVideoX 1.5's token counts "
+                            "(default: the preset's, 1,2,2); a --model's own config.patch_size wins")
     group.add_argument("--backend", choices=BACKENDS, default="adaptiveload", help="compile backend")
     group.add_argument("--inner", choices=INNER_COMPILERS, default=None,
                        help="compiler behind the adaptiveload backend (default: inductor on GPU, eager on CPU)")
@@ -41,11 +63,18 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     group.add_argument("--dist-timeout", type=positive_float, default=300.0,
                        help="seconds a collective waits for a failed peer before the ranks give up (torchrun)")
     data = p.add_argument_group("data")
-    data.add_argument("--manifest", default=None, help="CSV / JSONL / Parquet with num_frames,height,width (default: reference mix)")
+    data.add_argument("--manifest", default=None,
+                      help="CSV / JSONL / Parquet, a row per sample: its size (num_frames,height,width in pixels, or "
+                           "latent_t,latent_h,latent_w) and, to train on your own data, latent_path,text_path: a "
+                           "latent [C,T,H,W] and a text embedding [L,text_dim] per sample, .safetensors or .pt, "
+                           "relative to the manifest's folder (default: the reference mix, synthetic data)")
+    data.add_argument("--vae-stride", type=int_triple, default=WAN_VAE_STRIDE, metavar="T,H,W",
+                      help="the VAE's compression from pixels to latents, e.g. 8,32,32 for LTX-Video")
     data.add_argument("--samples", type=positive_int, default=None,
                       help="samples: size of the reference mix (default 256), or the first rows of --manifest")
     data.add_argument("--downscale", type=positive_int, default=None,
-                      help="divide heights and widths by this factor (default 8 on CPU, 1 on GPU)")
+                      help="divide pixel heights and widths by this factor (default 8 on CPU, 1 on GPU; 1 for a "
+                           "manifest of latent sizes or sample files)")
     data.add_argument("--seed", type=non_negative_int, default=0,
                       help="seed of the corpus, the model's initial weights, the data and the sampler")
 
@@ -63,7 +92,8 @@ def run_train(args) -> int:
 
     preset, factory = _model_source(args)
     cfg = JobConfig(
-        preset=preset, model=factory, num_layers=args.num_layers, manifest=args.manifest, samples=args.samples,
+        preset=preset, model=factory, num_layers=args.num_layers, patch_size=args.patch_size,
+        vae_stride=args.vae_stride, manifest=args.manifest, samples=args.samples,
         downscale=args.downscale, seed=args.seed, steps=args.steps, backend=args.backend, inner=args.inner,
         policy="equal_token" if args.sampler == "equal" else args.policy, calibration=args.calibration, plan=args.plan,
         memory_budget_gb=args.memory_budget_gb, m_mem=args.m_mem, drop_oversized=args.drop_oversized,
@@ -80,7 +110,10 @@ def run_train(args) -> int:
             print(f"adaptiveload train: error: {err}\nresults so far: {os.path.join(cfg.out, 'results.json')}", flush=True)
         ctx.wait_for_all()
         return 1  # the main group may hold a timed-out collective: leave the groups to process exit
-    ctx.close()
+    if all(r["status"] == "ok" for r in results["runs"]):
+        ctx.close()
+    else:  # the baseline failed (the run asked for succeeded: exit 0); as above, leave the groups to exit
+        ctx.wait_for_all()
     if ctx.is_main:
         print(format_report(results))
         print(f"results: {os.path.join(cfg.out, 'results.json')}" + (f", plot: {results['plot']}" if results.get("plot") else ""))
@@ -101,24 +134,26 @@ def _calibrate_and_write(args, ctx, preset, factory) -> int:
     from adaptiveload.sched.calibration import Calibration
     from adaptiveload.train.calibrate import calibrate, calibration_grid
     from adaptiveload.train.job import default_inner
-    from adaptiveload.train.setup import (bucket_shapes, build_step, default_downscale, device_description,
-                                         load_corpus, set_cpu_threads, step_settings)
+    from adaptiveload.train.setup import (ModelSource, bucket_shapes, build_step, device_description, load_corpus,
+                                         set_cpu_threads, step_settings)
     from adaptiveload.train.step import StepConfig
 
     set_cpu_threads(ctx.device)
-    downscale = args.downscale if args.downscale is not None else default_downscale(ctx.device)
-    corpus = load_corpus(args.manifest, args.samples, args.seed, downscale)
+    models = ModelSource(preset=preset, factory=factory, num_layers=args.num_layers, patch_size=args.patch_size,
+                         seed=args.seed)
+    corpus, downscale = load_corpus(args.manifest, args.samples, args.seed, args.downscale, ctx.device,
+                                    vae_stride=args.vae_stride, patch_size=models.spec().patch_size)
     shapes = bucket_shapes(corpus)
     grid = calibration_grid(shapes, corpus.patch_size, num_shapes=args.shapes, batch_sizes=args.batch_sizes,
                             max_tokens=args.max_tokens)
     step_config = StepConfig(backend=args.backend, inner=args.inner or default_inner(ctx.device))
-    step, spec, info = build_step(ctx, preset=preset, factory=factory, num_layers=args.num_layers,
-                                  step_config=step_config, activation_checkpointing=args.activation_checkpointing,
-                                  max_seq_len=int(corpus.seq_lens.max()), seed=args.seed)
+    step, spec, info = build_step(ctx, models=models, step_config=step_config,
+                                  activation_checkpointing=args.activation_checkpointing,
+                                  max_seq_len=int(corpus.seq_lens.max()))
     run = calibrate(step, spec, grid, patch_size=corpus.patch_size, warmup=args.warmup, repeats=args.repeats,
                     seed=args.seed)
-    settings = {**step_settings(info, step_config, ctx, corpus), "warmup": args.warmup, "repeats": args.repeats,
-                "downscale": downscale}
+    settings = {**step_settings(info, step_config, ctx, corpus, vae_stride=args.vae_stride, downscale=downscale),
+                "warmup": args.warmup, "repeats": args.repeats}
     if not ctx.is_main:
         return 1 if run.aborted else 0
     ok = sum(p["status"] == "ok" for p in run.points)
@@ -145,10 +180,14 @@ def _calibrate_and_write(args, ctx, preset, factory) -> int:
 
 def add_commands(subparsers) -> None:
     """Add ``train`` and ``calibrate`` to the ``adaptiveload`` command line."""
+    from adaptiveload.train.setup import FILE_WORKERS
+
     train = subparsers.add_parser(
         "train", help="train a video DiT with the fused backend and the calibrated bucket sampler",
         description="Calibrate (or load a calibration), plan, and train; print tokens/s, load balance, memory "
-                    "and eval loss. With no arguments: the tiny model on the reference mix, on the CPU.")
+                    "and eval loss. With no arguments: the tiny model on the reference mix, on the CPU. "
+                    + DATA_NOTE,
+        epilog=MODEL_CONTRACT)
     _add_model_options(train)
     run = train.add_argument_group("run")
     run.add_argument("--steps", type=positive_int, default=None, help="global steps (default: one epoch)")
@@ -159,13 +198,16 @@ def add_commands(subparsers) -> None:
     run.add_argument("--sampler", dest="sampler", choices=("dual", "equal"), action=deprecated_flag("--policy"))
     run.add_argument("--calibration", default=None,
                      help="calibration.json or a built-in name (default: a quick calibration with the run's own step)")
-    run.add_argument("--plan", default=None, help="a plan JSON from `adaptiveload plan` (must match the world size)")
+    run.add_argument("--plan", default=None,
+                     help="a plan JSON from `adaptiveload plan` (must match the world size, the corpus's buckets and "
+                          "its token geometry)")
     run.add_argument("--memory-budget-gb", type=positive_float, default=None, help="memory budget to plan for (default: the GPU's)")
     run.add_argument("--m-mem", type=positive_int, default=None, help="fixed tokens per batch instead of planning it")
     run.add_argument("--drop-oversized", action="store_true", help="drop buckets longer than the memory limit")
     run.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate")
     run.add_argument("--baseline", action="store_true",
-                     help="also run equal_token + plain torch.compile (Inductor; eager on CPU) and compare")
+                     help="also run equal_token + plain torch.compile (Inductor; eager on CPU) and compare; a "
+                          "failed baseline is reported beside the run (exit status 0 when the run succeeded)")
     run.add_argument("--baseline-backend", default=None, help="compile backend of the baseline run")
     run.add_argument("--out", default="adaptiveload-train", help="output folder (results.json, results.png, checkpoints)")
     run.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
@@ -173,16 +215,20 @@ def add_commands(subparsers) -> None:
     run.add_argument("--eval-every", type=positive_int, default=10, help="evaluate the fixed batch every N steps")
     run.add_argument("--eval-samples", type=positive_int, default=4, help="samples in the fixed evaluation batch")
     run.add_argument("--profile-every", type=non_negative_int, default=5, help="profile every N-th step for busy time (0: never)")
-    run.add_argument("--workers", type=non_negative_int, default=0,
-                     help="DataLoader worker processes drawing the synthetic samples on the CPU (then pinned and "
-                          "copied to the device); 0: drawn on the training device itself. CPU and GPU draws "
-                          "give different sample values: published GPU runs used 0")
+    run.add_argument("--workers", type=non_negative_int, default=None,
+                     help="DataLoader worker processes making the samples on the CPU (reading the sample files, "
+                          "or drawing synthetic ones), then pinned and copied to the device; 0: in the training "
+                          "process, synthetic samples drawn on the training device itself. Default: 2 for sample "
+                          "files, 0 for synthetic data (CPU and GPU draws give different sample values: published "
+                          "GPU runs used 0)")
     run.add_argument("--quiet", action="store_true", help="no progress bars and no profiler lines")
     train.set_defaults(func=run_train)
 
     cal = subparsers.add_parser(
         "calibrate", help="time real training steps over a (B, S) grid and fit the step-time model",
-        description="Writes calibration.json (points, fits, settings) and a PNG of measured vs predicted time.")
+        description="Writes calibration.json (points, fits, settings -- the token geometry too) and a PNG of "
+                    "measured vs predicted time. Steps run on synthetic batches of the corpus's shapes.",
+        epilog=MODEL_CONTRACT)
     _add_model_options(cal)
     grid = cal.add_argument_group("grid")
     grid.add_argument("--shapes", type=positive_int, default=5, help="bucket shapes to measure, spread over S")

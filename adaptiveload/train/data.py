@@ -1,9 +1,19 @@
-"""Samples for training without disk I/O: latents of each sample's shape, text embeddings, noise, σ.
+"""Training samples: latents of each sample's shape, text embeddings, noise, σ.
 
 :class:`LatentDataset` maps a sample index to a dict of tensors. Latents and text embeddings are
-random (or come from a user loader); noise ε and the noise level σ are drawn per (seed, epoch,
-index), so a sample gets the same noise whichever rank, batch or worker process handles it — a
-two-rank run and a one-process run on the same samples see identical inputs.
+random by default (synthetic data: throughput runs need no disk I/O), or read from the files a
+manifest names (:class:`SampleFiles`), or come from any user loader; noise ε and the noise level σ
+are drawn per (seed, epoch, index), so a sample gets the same noise whichever rank, batch or worker
+process handles it — a two-rank run and a one-process run on the same samples see identical inputs.
+
+Sample files (:class:`SampleFiles`): a latent file holds one tensor [C, T, H, W], a text file one
+tensor [L, text_dim] with 1 <= L <= the model's text length (:func:`collate` pads it with zeros, as
+Wan pads prompts to 512 tokens). A ``.safetensors`` file (needs ``pip install
+adaptiveload[safetensors]``) holds one tensor, or several with the key ``latent`` / ``text``; a
+``.pt`` file is read with ``torch.load(weights_only=True)`` and holds a tensor or a dict of them (the
+same rule). Any floating dtype is read and converted to float32. Each tensor is checked against its
+manifest row's shape; a missing, unreadable or mismatched file raises :class:`SampleError` naming
+the row and the path.
 
 Where draws happen: on the CPU (``LatentDataset``'s default; in DataLoader workers, then pinned and
 copied), or on the training device itself (``device="cuda"``, what ``adaptiveload train`` does
@@ -20,6 +30,7 @@ weights middle noise levels; ``"uniform"`` draws σ ~ U(0, 1) (plain rectified f
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -33,6 +44,122 @@ SIGMA_SAMPLING = ("logit_normal", "uniform")
 
 # A sample loader maps (index, latent_shape (T, H, W)) to (latents [C, T, H, W], context [L, text_dim]).
 SampleLoader = Callable[[int, tuple], tuple]
+
+
+class SampleError(ValueError):
+    """A sample's file is missing, unreadable, or not the tensor its manifest row describes (the
+    message, one line, names the manifest, the row and the path)."""
+
+
+def latent_problem(tensor, expected: tuple) -> Optional[str]:
+    """Why ``tensor`` is not a latent of size ``expected`` ([C, T, H, W]), or None."""
+    return _tensor_problem(tensor) or (None if tuple(tensor.shape) == tuple(expected) else
+                                       f"shape {list(tensor.shape)}, expected [C, T, H, W] = {list(expected)}")
+
+
+def text_problem(tensor, spec: InputSpec) -> Optional[str]:
+    """Why ``tensor`` is not a text embedding [L, text_dim] with 1 <= L <= ``spec.text_len``, or None."""
+    problem = _tensor_problem(tensor)
+    if problem is None and (tensor.dim() != 2 or tensor.shape[1] != spec.text_dim or
+                            not 1 <= tensor.shape[0] <= spec.text_len):
+        problem = (f"shape {list(tensor.shape)}, expected [L, {spec.text_dim}] with 1 <= L <= {spec.text_len} "
+                   "(the model's text length and width)")
+    return problem
+
+
+def _tensor_problem(tensor) -> Optional[str]:
+    if not isinstance(tensor, Tensor):
+        return f"holds a {type(tensor).__name__}, not a tensor"
+    if not tensor.is_floating_point():
+        return f"dtype {tensor.dtype}, expected a floating-point tensor"
+    bad = int((~torch.isfinite(tensor)).sum())
+    return f"{bad:,} of {tensor.numel():,} values are not finite" if bad else None
+
+
+def read_tensor(path: str, key: str) -> Tensor:
+    """The tensor in a ``.safetensors`` or ``.pt`` file: its only tensor, or the one under ``key``.
+
+    Raises:
+        SampleError: no such file, another file type, safetensors not installed, an unreadable file,
+            or a file of several tensors without ``key`` (the message is the problem alone; callers
+            add the row and path).
+    """
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".safetensors", ".pt"):
+        raise SampleError(f"unknown file type {ext!r}: expected .safetensors or .pt")
+    if not os.path.isfile(path):
+        raise SampleError("no such file")
+    try:
+        if ext == ".safetensors":
+            try:
+                from safetensors import safe_open
+            except ImportError:
+                raise SampleError("reading .safetensors needs safetensors (pip install adaptiveload[safetensors])") from None
+            with safe_open(path, framework="pt") as f:
+                names = list(f.keys())
+                pick = names[0] if len(names) == 1 else key
+                contents = {pick: f.get_tensor(pick)} if pick in names else dict.fromkeys(names)
+        else:
+            contents = torch.load(path, map_location="cpu", weights_only=True)
+    except SampleError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure to read is the file's problem, named with its path
+        text = str(err).splitlines()[0][:200] if str(err) else ""
+        raise SampleError(f"cannot read it ({type(err).__name__}: {text})") from None
+    if isinstance(contents, dict):
+        if len(contents) == 1:
+            (contents,) = contents.values()
+        elif key in contents:
+            contents = contents[key]
+        else:
+            raise SampleError(f"holds {len(contents)} entries ({', '.join(map(str, list(contents)[:5]))}): expected "
+                              f"one tensor or the key {key!r}")
+    return contents
+
+
+class SampleFiles:
+    """A :data:`SampleLoader` reading each sample's latent and text embedding from its files (module
+    docstring), e.g. the ``latent_path`` / ``text_path`` columns of a manifest.
+
+    Args:
+        latent_paths, text_paths: [n] file paths, one per sample (index i is manifest row i + 1).
+        spec: the model's :class:`InputSpec` (channels, text length and width).
+        source: the manifest, for messages.
+
+    Calling it with ``(index, (T, H, W))`` returns ``(latents float32 [C, T, H, W], context float32
+    [L, text_dim])`` on the CPU.
+
+    Raises:
+        SampleError: (when called) naming the manifest, row and path: no such file, unreadable, not a
+            floating-point tensor, non-finite values, or a shape other than the row's.
+    """
+
+    def __init__(self, latent_paths, text_paths, spec: InputSpec, source: str):
+        self.latent_paths, self.text_paths = list(latent_paths), list(text_paths)
+        self.spec, self.source = spec, source
+
+    def __call__(self, index: int, shape: tuple) -> tuple[Tensor, Tensor]:
+        latent_size = (self.spec.in_channels, *shape)
+        tensors = []
+        for kind, path, check in (("latent", self.latent_paths[index], lambda t: latent_problem(t, latent_size)),
+                                  ("text", self.text_paths[index], lambda t: text_problem(t, self.spec))):
+            where = f"{self.source}: row {index + 1}: {kind} file {path}"
+            try:
+                tensor = read_tensor(path, kind)
+            except SampleError as err:
+                raise SampleError(f"{where}: {err}") from None
+            problem = check(tensor)
+            if problem is not None:
+                raise SampleError(f"{where}: {problem}")
+            tensors.append(tensor.float())
+        return tensors[0], tensors[1]
+
+
+def sample_error_message(err: BaseException) -> str:
+    """The one-line message of a :class:`SampleError`, also when a DataLoader worker re-raised it
+    (whose message then holds the worker's traceback, the original message on its last line)."""
+    last = str(err).strip().splitlines()[-1] if str(err).strip() else ""
+    return last.split(f"{SampleError.__name__}: ", 1)[-1]
 
 
 def _generator(device: torch.device, *keys: int) -> torch.Generator:
@@ -63,7 +190,8 @@ class LatentDataset(torch.utils.data.Dataset):
         seed: base seed of every random draw.
         sigma_sampling: ``"logit_normal"`` or ``"uniform"``.
         loader: optional ``loader(index, (T, H, W)) -> (latents [C, T, H, W], context [L, text_dim])``
-            supplying real data; random N(0, 1) tensors otherwise (throughput runs need no disk I/O).
+            supplying real data (e.g. :class:`SampleFiles`; ``1 <= L <= text_len``); random N(0, 1)
+            tensors otherwise (throughput runs need no disk I/O; ``L = text_len``).
         device: where the random tensors are drawn and every item's tensors live (default CPU). A
             CUDA device needs a DataLoader without worker processes (``num_workers=0``).
 
@@ -73,6 +201,7 @@ class LatentDataset(torch.utils.data.Dataset):
     Raises:
         ValueError: shapes not [n, 3] positive integers; a loader returning tensors of the wrong
             shape (named, with the sample index).
+        SampleError: from :class:`SampleFiles`, naming the row and the file.
     """
 
     def __init__(
@@ -113,11 +242,10 @@ class LatentDataset(torch.utils.data.Dataset):
         context_size = (self.spec.text_len, self.spec.text_dim)
         if self.loader is not None:
             latents, context = self.loader(index, shape)
-            for name, tensor, expected in (("latents", latents, latent_size), ("context", context, context_size)):
-                if tuple(tensor.shape) != expected:
-                    raise ValueError(
-                        f"sample loader: {name} of sample {index} has shape {list(tensor.shape)}, expected {list(expected)}"
-                    )
+            for name, problem in (("latents", latent_problem(latents, latent_size)),
+                                  ("context", text_problem(context, self.spec))):
+                if problem is not None:
+                    raise ValueError(f"sample loader: {name} of sample {index}: {problem}")
             latents, context = latents.to(self.device, torch.float32), context.to(self.device, torch.float32)
         else:
             data_gen = _generator(self.device, self.seed, index)
@@ -135,7 +263,8 @@ class Batch:
 
     Attributes:
         indices: int64 [B] sample indices.
-        latents: [B, C, T, H, W]; noise: [B, C, T, H, W]; context: [B, L, text_dim]; sigma: [B].
+        latents: [B, C, T, H, W]; noise: [B, C, T, H, W]; context: [B, L, text_dim] (zero-padded to
+            one L); sigma: [B].
     """
 
     indices: Tensor
@@ -157,11 +286,13 @@ class Batch:
         return Batch(*(t.pin_memory() for t in (self.indices, self.latents, self.context, self.noise, self.sigma)))
 
 
-def collate(samples: Sequence[dict]) -> Batch:
-    """Stack dataset items of one latent shape into a :class:`Batch`.
+def collate(samples: Sequence[dict], text_len: Optional[int] = None) -> Batch:
+    """Stack dataset items of one latent shape into a :class:`Batch`; each text embedding [L, D] is
+    zero-padded at the end to ``text_len`` tokens (default: the batch's longest), as Wan pads prompts.
 
     Raises:
-        ValueError: an empty list, or items of different latent shapes (named with their indices).
+        ValueError: an empty list, items of different latent shapes (named with their indices), or a
+            text embedding longer than ``text_len``.
     """
     if not samples:
         raise ValueError("collate: empty batch")
@@ -169,10 +300,15 @@ def collate(samples: Sequence[dict]) -> Batch:
     if len(shapes) > 1:
         listing = ", ".join(f"{s['index']}: {list(s['latents'].shape[1:])}" for s in samples)
         raise ValueError(f"collate: a batch must hold one latent shape, got samples {listing}")
+    length = text_len or max(int(s["context"].shape[0]) for s in samples)
+    longer = [s["index"] for s in samples if s["context"].shape[0] > length]
+    if longer:
+        raise ValueError(f"collate: text embeddings of samples {longer} are longer than {length} tokens")
     return Batch(
         indices=torch.tensor([s["index"] for s in samples], dtype=torch.int64),
         latents=torch.stack([s["latents"] for s in samples]),
-        context=torch.stack([s["context"] for s in samples]),
+        context=torch.stack([torch.nn.functional.pad(s["context"], (0, 0, 0, length - s["context"].shape[0]))
+                             for s in samples]),
         noise=torch.stack([s["noise"] for s in samples]),
         sigma=torch.stack([s["sigma"] for s in samples]),
     )

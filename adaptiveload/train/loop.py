@@ -5,18 +5,24 @@ normalised by it), train, and then exchange one row each (:class:`StepRow`): sta
 time (every ``profile_every``-th step, over the control group; see :mod:`adaptiveload.train.metrics`),
 loss, whether Dynamo compiled during the step, and the batch's B, S and latent shape.
 
-Failure protocol: a step that fails on any rank (out of memory in a bucket, an exception, a
-non-finite loss or gradient, or a collective that timed out because a peer failed) makes every rank
-raise :class:`StepFailed` with one message naming each failing rank's bucket shape and batch size.
-The run's state then holds the steps before it; the caller records them and stops.
+Failure protocol: a step that fails on any rank (a batch that could not be loaded -- e.g. a missing
+or mismatched sample file --, out of memory in a bucket, an exception, a non-finite loss or gradient,
+or a collective that timed out because a peer failed) makes every rank raise :class:`StepFailed`
+with one message naming each failing rank's bucket shape and batch size (or, for a batch that could
+not be loaded, the manifest row and file). The ranks agree on the fetch before training, so no rank
+trains a step another could not load. The run's state then holds the steps before it; the caller
+records them and stops. When the failure looks like a known compiler bug, :func:`compiler_hint`
+adds a line naming it.
 
 Compile happens before timing (:func:`warm_up`): one frozen-weight step per kind of batch the
 sampler yields (:func:`warm_up_batches`); a step that compiled anyway is flagged (``compiled``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,21 +33,24 @@ import torch
 from tqdm.auto import tqdm
 
 from adaptiveload.sched.sampler import DualConstraintBucketSampler
-from adaptiveload.train.data import Batch, collate, synthetic_batch
+from adaptiveload.train.data import Batch, SampleError, collate, sample_error_message, synthetic_batch
 from adaptiveload.train.distributed import DistContext
 from adaptiveload.train.metrics import busy_time_s
-from adaptiveload.train.step import NonFiniteStep, TrainStep
+from adaptiveload.train.step import NonFiniteStep, StepConfig, TrainStep
 
 logger = logging.getLogger("adaptiveload.train")
 
 KINETO_LOG_LEVEL_ENV = "KINETO_LOG_LEVEL"
 KINETO_SILENT = "6"  # Kineto's level above every message: hides its profiler_start/stop lines on stderr
+# Parameters of the time embedding and the adaLN modulation, by name (the reference model's and diffusers')
+TIME_OR_MODULATION = re.compile(r"time_emb|time_proj|timestep|temb|modulation|scale_shift|adaln", re.IGNORECASE)
+INDUCTOR_GRADIENT_BUG_RELEASES = ((2, 10), (2, 11))  # torch releases of pytorch/pytorch#193061
 
 
 class StepRow:
     """Columns of the row every rank contributes per step (:func:`one_step`): status (0 ok, 1 out of
-    memory, 2 failed, 3 timed out waiting, 4 non-finite), wall s, busy s, loss, compiled (0/1), B, S,
-    latent T, H, W."""
+    memory, 2 failed, 3 timed out waiting, 4 non-finite, 5 batch not loaded), wall s, busy s, loss,
+    compiled (0/1), B, S, latent T, H, W."""
     status, wall, busy, loss, compiled, batch_size, seq_len = range(7)
     latent_shape = slice(7, 10)
 
@@ -96,6 +105,9 @@ def failure_message(rows: np.ndarray, messages: list, step_index: int) -> str:
         status = int(row[StepRow.status])
         if status == 0:
             continue
+        if status == 5:
+            parts.append(f"rank {rank} could not load its batch: {messages[rank]}")
+            continue
         shape = "x".join(str(int(v)) for v in row[StepRow.latent_shape])
         what = {1: "ran out of memory", 2: "failed", 3: "gave up waiting for a failed rank (collective timed out)",
                 4: "got a non-finite loss or gradient"}[status]
@@ -112,31 +124,63 @@ def failure_message(rows: np.ndarray, messages: list, step_index: int) -> str:
     return text
 
 
+def compiler_hint(config: StepConfig, message: str, torch_version: str) -> Optional[str]:
+    """A one-line hint when a failure looks like pytorch/pytorch#193061: the run compiled with
+    Inductor (plain, or inside the adaptiveload backend) on torch 2.10 or 2.11, and ``message`` names
+    non-finite gradients in time-embedding or modulation parameters (on diffusers' Wan, torch 2.11's
+    Inductor gets the ``scale_shift_table`` and time-embedding gradients wrong by up to 1.4e4x at
+    S = 32,760). None otherwise."""
+    inductor = config.backend == "inductor" or (config.backend == "adaptiveload" and config.inner == "inductor")
+    release = tuple(int(v) for v in re.findall(r"\d+", torch_version)[:2])
+    named = message.partition("non-finite gradients in ")[2]
+    if not (inductor and release in INDUCTOR_GRADIENT_BUG_RELEASES and TIME_OR_MODULATION.search(named)):
+        return None
+    return (f"hint: torch {torch_version}'s Inductor computes wrong time-embedding and modulation gradients "
+            "(pytorch/pytorch#193061); run this configuration with --backend aot_eager (for the baseline, "
+            "--baseline-backend aot_eager) or another torch release")
+
+
+def _fetch(batches: Iterator[Batch]) -> tuple[Optional[Batch], str]:
+    """The next batch, or None and why it could not be loaded (a sample file's row and path)."""
+    try:
+        return next(batches), ""
+    except SampleError as err:  # also when a DataLoader worker re-raised it
+        return None, sample_error_message(err)
+    except Exception as err:  # noqa: BLE001 - e.g. a worker process that died; reported like a failed step
+        logger.exception("loading a batch failed")
+        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+
+
 def one_step(step: TrainStep, batches: Iterator[Batch], ctx: DistContext, index: int,
              profile: bool) -> tuple[dict, Optional[str]]:
-    """Fetch, agree on the global sample count, train, agree on the outcome.
+    """Fetch, agree on the global sample count (and that every rank has its batch), train, agree on
+    the outcome.
 
     Returns:
         ``(record, None)`` with the step's record (every rank's B, S and sample indices, the slowest
         rank's wall time, busy time per rank when profiled, the mean loss, ``compiled``), or
-        ``({}, message)`` when the step failed on some rank (:func:`failure_message`).
+        ``({}, message)`` when the step failed on some rank (:func:`failure_message`); when a rank
+        could not load its batch, no rank trains.
     """
     start = time.perf_counter()
-    batch = next(batches)
-    shape = batch.latent_shape
+    batch, message = _fetch(batches)
+    shape = batch.latent_shape if batch is not None else (0, 0, 0)
+    size = len(batch) if batch is not None else 0
     seq_len = int(np.prod(shape)) // int(np.prod(step_patch(step)))
-    counts = ctx.all_gather([len(batch), len(batch) * seq_len]).sum(axis=0)
-    status, message, loss, profiler = 0, "", float("nan"), None
+    agreed = ctx.all_gather([size, size * seq_len, float(batch is None)])
+    counts = agreed[:, :2].sum(axis=0)
+    status, loss, profiler = (5 if batch is None else 0), float("nan"), None
+    loaded = not agreed[:, 2].any()  # else no rank trains this step
     graphs_before = compiled_graphs()
     try:
-        if profile:
+        if loaded and profile:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if step.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             with torch.profiler.profile(activities=activities) as profiler:
                 loss = float(step(batch, int(counts[0])))
                 step.synchronize()
-        else:
+        elif loaded:
             loss = float(step(batch, int(counts[0])))
             step.synchronize()
     except NonFiniteStep as err:
@@ -145,7 +189,7 @@ def one_step(step: TrainStep, batches: Iterator[Batch], ctx: DistContext, index:
         status, message = 1, str(err).splitlines()[0][:200]
         step.optimizer.zero_grad(set_to_none=True)
     except Exception as err:  # noqa: BLE001 - reported to every rank, then the run stops
-        logger.exception("rank %d: step on latent %s with B=%d failed", ctx.rank, "x".join(map(str, shape)), len(batch))
+        logger.exception("rank %d: step on latent %s with B=%d failed", ctx.rank, "x".join(map(str, shape)), size)
         text = str(err).splitlines()[0][:200] if str(err) else ""
         waited = isinstance(err, torch.distributed.DistError) or "timed out" in text.lower()
         status, message = (3 if waited else 2), f"{type(err).__name__}: {text}"
@@ -153,7 +197,7 @@ def one_step(step: TrainStep, batches: Iterator[Batch], ctx: DistContext, index:
     wall = time.perf_counter() - start
     busy = busy_time_s(profiler, step.device, wall) if profiler is not None and status == 0 else float("nan")
     compiled = compiled_graphs() > graphs_before
-    rows = ctx.all_gather([status, wall, busy, loss, float(compiled), len(batch), seq_len, *shape]).numpy()
+    rows = ctx.all_gather([status, wall, busy, loss, float(compiled), size, seq_len, *shape]).numpy()
     if rows[:, StepRow.status].max() > 0:
         return {}, failure_message(rows, ctx.all_gather_object(message), index)
     return {
@@ -235,9 +279,10 @@ def train_steps(step: TrainStep, sampler: DualConstraintBucketSampler, dataset, 
         StepFailed: a step failed on some rank; ``state`` holds the steps before it.
     """
     steps_per_epoch = sampler.steps_per_epoch()
-    loader_kwargs = {"num_workers": options.workers, "collate_fn": collate}
-    if options.workers > 0:
-        loader_kwargs["pin_memory"] = ctx.device.type == "cuda"
+    loader_kwargs = {"num_workers": options.workers,
+                     "collate_fn": functools.partial(collate, text_len=dataset.spec.text_len),
+                     # batches made on the CPU (worker processes, sample files) go to the GPU from pinned memory
+                     "pin_memory": ctx.device.type == "cuda" and dataset.device.type == "cpu"}
     bar = tqdm(total=options.total_steps, initial=state.step, desc=options.name, unit="step",
                disable=not options.progress, leave=False)
     try:

@@ -17,10 +17,11 @@ from typing import Optional
 import numpy as np
 
 from adaptiveload.sched.calibration import Calibration
+from adaptiveload.sched.manifest import Manifest
 from adaptiveload.sched.plan import Plan, make_plan
 from adaptiveload.sched.policies import step_order
 from adaptiveload.sched.presets import load_calibration
-from adaptiveload.sched.sampler import DualConstraintBucketSampler
+from adaptiveload.sched.sampler import DualConstraintBucketSampler, bucket_tokens
 from adaptiveload.train.calibrate import calibrate, calibration_grid
 from adaptiveload.train.distributed import DistContext
 from adaptiveload.train.setup import device_description, device_memory_bytes
@@ -66,12 +67,13 @@ def quick_calibration(step, spec, shapes: np.ndarray, patch_size, ctx: DistConte
 
 
 def warn_if_calibrated_otherwise(calibration: Calibration, settings: dict) -> None:
-    """Warn when a loaded calibration measured another model, depth or checkpointing than this run
-    (its cost and memory models, hence the plan, may not hold). Only calibrations written by
-    ``adaptiveload calibrate`` or a job are compared; the built-in ones describe their source in prose."""
+    """Warn when a loaded calibration measured another model, depth, checkpointing or patch size than
+    this run (its cost and memory models, hence the plan, may not hold). Only calibrations written by
+    ``adaptiveload calibrate`` or a job are compared (a key it lacks is not); the built-in ones
+    describe their source in prose."""
     if "backend" not in calibration.settings:
         return
-    keys = ("model", "num_layers", "activation_checkpointing")
+    keys = ("model", "num_layers", "activation_checkpointing", "patch_size")
     differ = [f"{k}: calibrated {calibration.settings[k]!r}, this run {settings[k]!r}"
               for k in keys if k in calibration.settings and calibration.settings[k] != settings.get(k)]
     if differ:
@@ -86,20 +88,69 @@ def warn_if_poor_fit(calibration: Calibration) -> None:
         logger.warning("calibration: %s", calibration.cost_model.warning)
 
 
-def resolve_plan(plan_path: Optional[str], corpus, calibration: Calibration, ctx: DistContext, policy: str, *,
+def _triple(values) -> str:
+    return ",".join(str(int(v)) for v in values)
+
+
+def check_plan_fits(plan: Plan, plan_path: str, corpus: Manifest, downscale: int) -> None:
+    """Refuse a plan made for another corpus: another patch size, another VAE stride (a plan that
+    records one, for a corpus of pixel sizes; ``corpus.vae_stride`` includes the downscale), or
+    buckets of this corpus the plan does not hold (another resolution, downscale or mix).
+
+    Raises:
+        ValueError: naming what differs and how to re-plan.
+    """
+    redo = (f"re-plan this corpus with `adaptiveload plan` (the job writes it as manifest.csv in --out; "
+            f"--vae-stride {_triple(corpus.vae_stride)} --patch-size {_triple(corpus.patch_size)}) or omit --plan")
+    if tuple(plan.patch_size) != tuple(corpus.patch_size):
+        raise ValueError(f"{plan_path} was planned for patch size {_triple(plan.patch_size)}, but this job's model "
+                         f"has {_triple(corpus.patch_size)}; {redo}")
+    planned_stride = getattr(plan, "vae_stride", None)
+    if planned_stride is not None and corpus.pixel_shapes is not None \
+            and tuple(planned_stride) != tuple(corpus.vae_stride):
+        raise ValueError(f"{plan_path} was planned for VAE stride {_triple(planned_stride)}, but this job's corpus "
+                         f"uses {_triple(corpus.vae_stride)} (at --downscale {downscale}); {redo}")
+    rows = plan.buckets + plan.dropped
+    planned = {tuple(int(v) for v in r["key"]) for r in rows}
+    keys = corpus.seq_lens[:, None] if len(rows[0]["key"]) == 1 else corpus.latent_shapes  # the plan's kind of key
+    keys = np.unique(keys, axis=0)
+    seq = bucket_tokens(keys, corpus.patch_size)
+    missing = [k for k, key in enumerate(keys.tolist()) if tuple(key) not in planned]
+    if missing:
+        shown = ", ".join(f"latent {'x'.join(map(str, keys[k]))} (S={seq[k]:,})" if keys.shape[1] == 3
+                          else f"S={seq[k]:,}" for k in missing[:3])
+        planned_seq = [int(r["seq_len"]) for r in rows]
+        raise ValueError(f"{plan_path} was planned for another corpus: {len(missing)} of the {len(keys)} buckets of "
+                         f"{corpus.source} (downscale {downscale}) are not in it, e.g. {shown}; the plan's S spans "
+                         f"{min(planned_seq):,}..{max(planned_seq):,}, this corpus's {seq.min():,}..{seq.max():,}; "
+                         f"{redo}")
+
+
+def load_plan(plan_path: str, corpus: Manifest, ctx: DistContext, downscale: int) -> Plan:
+    """A plan file, checked against this world size and corpus (:func:`check_plan_fits`).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a plan, or one made for another world size or corpus.
+    """
+    plan = Plan.load(plan_path)
+    if plan.world_size != ctx.world_size:
+        raise ValueError(f"{plan_path} was planned for world size {plan.world_size}, but this job runs on "
+                         f"{ctx.world_size} rank(s); re-plan with `adaptiveload plan --world-size {ctx.world_size}` "
+                         f"or omit --plan")
+    check_plan_fits(plan, plan_path, corpus, downscale)
+    return plan
+
+
+def resolve_plan(plan: Optional[Plan], corpus: Manifest, calibration: Calibration, ctx: DistContext, policy: str, *,
                  memory_budget_gb: Optional[float], m_mem: Optional[int], drop_oversized: bool) -> Plan:
-    """The plan file given (checked against this world size), or a plan made now for ``policy``
+    """``plan`` (from :func:`load_plan`) when given, else a plan made now for ``policy``
     (``memory_budget_gb``: the device's memory when None; ignored without a measured memory model).
 
     Raises:
-        ValueError: the plan was made for another world size, or planning fails (oversized buckets).
+        ValueError: planning fails (oversized buckets).
     """
-    if plan_path is not None:
-        plan = Plan.load(plan_path)
-        if plan.world_size != ctx.world_size:
-            raise ValueError(f"{plan_path} was planned for world size {plan.world_size}, but this job runs on "
-                             f"{ctx.world_size} rank(s); re-plan with `adaptiveload plan --world-size {ctx.world_size}` "
-                             f"or omit --plan")
+    if plan is not None:
         return plan
     budget = memory_budget_gb * 2**30 if memory_budget_gb is not None else device_memory_bytes(ctx.device)
     if calibration.memory_model is None:

@@ -60,13 +60,18 @@ def _rows(run: dict) -> list[tuple[str, str]]:
 
 
 def format_report(results: dict) -> str:
-    """The runs of a results dict side by side, one metric per line, then the speedup."""
+    """The runs of a results dict side by side, one metric per line (a failed run's column too),
+    then the speedup when both runs finished, and each failed run's error and hint."""
     runs = results["runs"]
     corpus = results["corpus"]
+    data = {"synthetic": "synthetic latents and text", "files": "latents and text from the manifest's files"}
     lines = [
         f"adaptiveload train: {results['device']} x {results['world_size']}, torch {results['torch_version']}",
         f"corpus: {corpus['source']} - {corpus['samples']:,} samples, {corpus['buckets']} buckets, "
-        f"S {corpus['seq_len_min']:,}..{corpus['seq_len_max']:,} (downscale {results['downscale']})",
+        f"S {corpus['seq_len_min']:,}..{corpus['seq_len_max']:,} (downscale {results['downscale']}"
+        + (f", VAE stride {','.join(map(str, corpus['vae_stride']))}, patch {','.join(map(str, corpus['patch_size']))}"
+           if "patch_size" in corpus else "") + ")"
+        + (f"; {data[corpus['data']]}" if "data" in corpus else ""),
     ]
     if runs:
         model = runs[0]["model"]
@@ -78,12 +83,16 @@ def format_report(results: dict) -> str:
     lines.append(f"{'':<{width}}  " + "  ".join(f"{r['name']:>{c}}" for r, c in zip(runs, col)))
     for i, (name, _) in enumerate(table[0] if table else []):
         lines.append(f"{name:<{width}}  " + "  ".join(f"{rows[i][1]:>{c}}" for rows, c in zip(table, col)))
-    if len(runs) == 2 and runs[1].get("tokens_per_s"):
+    if len(runs) == 2:
+        failed = [r["name"] for r in runs if r["status"] != "ok"]
         lines.append(f"speedup (tokens/s, {runs[0]['name']} / {runs[1]['name']}): "
-                     f"{runs[0]['tokens_per_s'] / runs[1]['tokens_per_s']:.3f}x")
+                     + (f"- ({' and '.join(failed)} failed)" if failed else
+                        f"{runs[0]['tokens_per_s'] / runs[1]['tokens_per_s']:.3f}x"))
     for r in runs:
         if r.get("error"):
             lines.append(f"{r['name']}: {r['error']}")
+        if r.get("hint"):
+            lines.append(r["hint"])
     return "\n".join(lines)
 
 

@@ -85,15 +85,17 @@ class RunResult:
         self._graphs_warm = compiled_graphs()
 
     def update(self, state: RunState, ctx: DistContext, peak_memory_bytes: int, total_steps: int, *, status: str,
-               fusion: dict, error: Optional[str] = None) -> dict:
-        """Refresh the measurements (collectives: every rank calls it) and return the entry.
+               fusion: dict, error: Optional[str] = None, hint: Optional[str] = None) -> dict:
+        """Refresh the measurements (collectives: every rank calls it) and return the entry: its
+        ``status`` (``running``, ``ok``, ``failed``), the ``error`` that stopped it and a ``hint``
+        line about that error (or None).
 
         ``compiled_graphs``: graphs Dynamo compiled in this process for this run (training buckets,
         evaluation, calibration: recompiles + 1), and ``compiled_graphs_in_training`` those compiled
         inside the timed loop (their time counts in tokens/s; ``compile_steps`` names the steps), the
         most on any rank."""
         self.data.update(summarize_run(state, ctx, peak_memory_bytes, total_steps))
-        self.data.update(status=status, error=error, **fusion)
+        self.data.update(status=status, error=error, hint=hint, **fusion)
         now = compiled_graphs()
         counts = ctx.all_gather([now - self._graphs_at_start, now - self._graphs_warm]).max(dim=0).values
         self.data["compiled_graphs"], self.data["compiled_graphs_in_training"] = int(counts[0]), int(counts[1])

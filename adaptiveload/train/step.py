@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -86,24 +85,38 @@ class InputSpec:
         """Read the spec from ``model.config`` (a ``WanConfig`` or an object with the same fields).
 
         Raises:
-            ValueError: the model has no ``config`` or the config lacks a field (named).
+            ValueError: the model has no ``config``, the config lacks a field (named), or its
+                ``patch_size`` is not three positive ints -- e.g. the int of diffusers' Flux,
+                HunyuanVideo and CogVideoX (the message says what to wrap).
         """
+        name = type(model).__name__
         config = getattr(model, "config", None)
         if config is None:
             raise ValueError(
-                f"model {type(model).__name__} has no .config; a custom model needs a config with in_channels, "
+                f"model {name} has no .config; a custom model needs a config with in_channels, "
                 "text_len, text_dim and patch_size"
             )
-        get = config.get if isinstance(config, dict) else lambda name, default=None: getattr(config, name, default)
+        get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+        patch = get("patch_size")
+        if isinstance(patch, int) and not isinstance(patch, bool):
+            pt = get("patch_size_t") or 1
+            raise ValueError(
+                f"model {name}: config.patch_size is the int {patch} (a spatial patch), but the train step feeds "
+                f"video latents [B, C, T, H, W]: wrap the model in an nn.Module whose config.patch_size is "
+                f"(pt, ph, pw), e.g. ({pt}, {patch}, {patch}), and whose forward(latents, timestep, context) "
+                "patchifies and returns [B, C, T, H, W] (adaptiveload.train.diffusers_wan wraps diffusers' Wan)")
         values = {
             "in_channels": get("in_channels"),
             "text_len": get("text_len", 512),
             "text_dim": get("text_dim"),
-            "patch_size": tuple(get("patch_size") or ()),
+            "patch_size": tuple(patch or ()),
         }
-        missing = [name for name, value in values.items() if value in (None, ())]
+        missing = [key for key, value in values.items() if value in (None, ())]
         if missing:
-            raise ValueError(f"model {type(model).__name__}: config lacks {', '.join(missing)}")
+            raise ValueError(f"model {name}: config lacks {', '.join(missing)}")
+        if len(values["patch_size"]) != 3 or not all(isinstance(v, int) and v >= 1 for v in values["patch_size"]):
+            raise ValueError(f"model {name}: config.patch_size must be three positive ints (pt, ph, pw), "
+                             f"got {patch!r}")
         return cls(**values)
 
 
@@ -147,16 +160,20 @@ def load_model(
     preset: Optional[str] = None,
     factory: Optional[str] = None,
     num_layers: Optional[int] = None,
+    patch_size: Optional[tuple] = None,
 ) -> nn.Module:
     """Build the model to train: a reference preset, or the user's ``MODULE:FACTORY``.
 
     Args:
         preset: a name in ``adaptiveload.models.PRESETS``.
-        factory: ``"package.module:function"``; the function is called with no arguments and must
-            return an ``nn.Module`` called as ``model(latents, timestep, context)`` with a ``config``
-            (see :class:`InputSpec`).
+        factory: ``"package.module:function"`` or ``"path/to/file.py:function"`` (as ``adaptiveload
+            inspect`` takes it; the current directory is on the import path); the function is called
+            with no arguments and must return an ``nn.Module`` called as ``model(latents, timestep,
+            context)`` with a ``config`` (see :class:`InputSpec`).
         num_layers: keep only this many transformer blocks (presets only; e.g. a 10-layer cut).
             Activation checkpointing is the step's (``StepConfig.activation_checkpointing``).
+        patch_size: the preset's (pt, ph, pw) patch instead of its own (presets only; a factory's
+            model has its own).
 
     Raises:
         ValueError: unknown preset (lists them), a malformed or unimportable factory, a factory that
@@ -168,13 +185,12 @@ def load_model(
     if (preset is None) == (factory is None):
         raise ValueError("give exactly one of a preset (--preset) and a model factory (--model MODULE:FACTORY)")
     if factory is not None:
-        module_name, sep, attr = factory.partition(":")
-        if not sep or not module_name or not attr:
-            raise ValueError(f"--model must be MODULE:FACTORY (e.g. mypkg.models:build), got {factory!r}")
+        from adaptiveload.fxfuse.cli import load_factory
+
         try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"--model {factory}: cannot load the factory ({err})") from err
+            fn = load_factory(factory)
+        except ValueError as err:
+            raise ValueError(f"--model {factory}: {err}") from None
         model = fn()
         if not isinstance(model, nn.Module):
             raise ValueError(f"--model {factory} returned {type(model).__name__}, not an nn.Module")
@@ -184,6 +200,8 @@ def load_model(
         if num_layers < 1:
             raise ValueError(f"--num-layers must be >= 1, got {num_layers}")
         config = dataclasses.replace(config, num_layers=num_layers)
+    if patch_size is not None:
+        config = dataclasses.replace(config, patch_size=tuple(patch_size))
     return build_model(config)
 
 

@@ -1,4 +1,6 @@
-"""Helpers for the train tests: run the CLI or a script in fresh processes (one, or two under torchrun)."""
+"""Helpers for the train tests: run the CLI or a script in fresh processes (one, or two under torchrun),
+and write a small on-disk dataset (tiny_dataset.py)."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -46,3 +48,14 @@ def run_script():
         return _run(cmd, timeout)
 
     return run
+
+
+@pytest.fixture
+def tiny_dataset():
+    """``tiny_dataset(folder, shapes, samples, **options)`` -> the manifest's path
+    (:func:`write_tiny_dataset` of tests/train/tiny_dataset.py)."""
+    spec = importlib.util.spec_from_file_location("tiny_dataset", os.path.join(os.path.dirname(__file__),
+                                                                                "tiny_dataset.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write_tiny_dataset

@@ -1,6 +1,6 @@
 """Model factories for fault tests (``--model faulty_model:NAME`` with tests/train on PYTHONPATH):
 the tiny Wan DiT that raises, on some ranks, for some batch shapes -- a stand-in for a GPU running
-out of memory in a long bucket."""
+out of memory in a long bucket -- or that gets non-finite gradients (a stand-in for a compiler bug)."""
 import torch
 import torch.distributed as dist
 
@@ -56,3 +56,18 @@ def oom_over_1000_tokens():
     """Every rank runs out of memory above 1000 tokens per batch (a real memory limit)."""
     return FaultyDiT(lambda rank, b, tokens, shape: torch.OutOfMemoryError("simulated: out of memory")
                      if tokens > 1000 else None)
+
+
+_built = []  # models built in this process by nan_time_embedding_in_second_model
+
+
+def nan_time_embedding_in_second_model():
+    """The tiny Wan DiT; the second one built in a process -- a job's baseline, after its main run --
+    gets NaN gradients in its time embedding (the loss stays finite): a stand-in for Inductor's
+    wrong time-embedding gradients (pytorch/pytorch#193061)."""
+    model = WanDiT(PRESETS["tiny"])
+    _built.append(model)
+    if len(_built) == 2:
+        for p in model.time_embedding.parameters():
+            p.register_hook(lambda g: torch.full_like(g, float("nan")))
+    return model

@@ -193,18 +193,22 @@ def test_non_finite_gradient_in_a_bucket_names_it_and_keeps_the_weights(tmp_path
 @pytest.mark.parametrize("args, message", [
     (("--preset", "wan9"), "unknown model preset 'wan9'"),
     (("--manifest", "MISSING.csv"), "MISSING.csv"),
-    (("--policy", "cost_grouped", "--plan", "PLAN"), "was planned for world size 4, but this job runs on 1"),
+    (("--policy", "cost_grouped", "--plan", "PLAN4"), "was planned for world size 4, but this job runs on 1"),
+    (("--plan", "PLAN1"), "was planned for another corpus: 5 of the 5 buckets of reference_mix(num_samples=8"),
 ])
 def test_bad_input_gives_one_clear_line(tmp_path, run_cli, args, message):
-    if "PLAN" in args:
-        from adaptiveload.sched.plan import make_plan
-        from adaptiveload.sched.presets import load_calibration
-        from adaptiveload.sched.manifest import reference_mix
+    """Bad input stops the job before any step: a full-resolution plan (world size 1, as made for a
+    GPU) does not fit the CPU job's downscaled corpus."""
+    for name, world_size in (("PLAN4", 4), ("PLAN1", 1)):
+        if name in args:
+            from adaptiveload.sched.plan import make_plan
+            from adaptiveload.sched.presets import load_calibration
+            from adaptiveload.sched.manifest import reference_mix
 
-        plan = make_plan(reference_mix(64, 0), load_calibration("anchors-wan1.3b"), 4, m_mem=151200)
-        plan.save(tmp_path / "plan.json")
-        args = tuple(str(tmp_path / "plan.json") if a == "PLAN" else a for a in args)
-        args += ("--calibration", "anchors-wan1.3b")
+            plan = make_plan(reference_mix(64, 0), load_calibration("anchors-wan1.3b"), world_size, m_mem=151200)
+            plan.save(tmp_path / "plan.json")
+            args = tuple(str(tmp_path / "plan.json") if a == name else a for a in args)
+            args += ("--calibration", "anchors-wan1.3b")
     proc = run_cli("train", "--samples", "8", "--backend", "eager", "--quiet", "--out", tmp_path / "o", *args)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
@@ -230,3 +234,108 @@ def test_job_config_takes_every_policy_spelling(given, policy):
                                             RunSpec("baseline:eager+equal_token", "eager", "eager", "equal_token")]
     with pytest.raises(ValueError, match="unknown policy 'fast'; choose one of equal_token, dual, cost_grouped"):
         JobConfig(policy="fast")
+
+
+TINY_SHAPES = [(1, 4, 6), (3, 4, 6), (2, 6, 8)]  # S = 6, 18, 24 with the 1x2x2 patch
+
+
+@pytest.mark.slow
+def test_training_on_sample_files(tmp_path, run_cli, tiny_dataset):
+    """The tiny model on its own latent and text files (safetensors and .pt, text shorter than
+    text_len), read by DataLoader worker processes: every sample of the epoch is trained on."""
+    manifest = tiny_dataset(tmp_path / "data", TINY_SHAPES, 12)
+    out = tmp_path / "out"
+    proc = run_cli("train", "--manifest", manifest, "--backend", "eager", "--eval-every", "2", "--quiet",
+                   "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = _results(out)
+    corpus = results["corpus"]
+    assert corpus["data"] == "files" and corpus["samples"] == 12 and results["downscale"] == 1  # CPU: not downscaled
+    assert (corpus["seq_len_min"], corpus["seq_len_max"]) == (6, 24)
+    (run,) = results["runs"]
+    assert run["status"] == "ok" and run["steps"] == run["steps_per_epoch"] and run["error"] is None
+    seen = [i for h in run["history"] for rank in h["indices"] for i in rank]
+    assert set(seen) == set(range(12))
+    for h in run["history"]:  # each batch's S is its samples' shape's (rows cycle through TINY_SHAPES)
+        (indices,), (seq_len,) = h["indices"], h["seq_lens"]
+        assert {6: 0, 18: 1, 24: 2}[seq_len] == indices[0] % 3 and all(i % 3 == indices[0] % 3 for i in indices)
+    assert all(math.isfinite(e[1]) and e[1] > 0 for e in run["eval_loss"])
+    assert "latents and text from the manifest's files" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_missing_sample_file_stops_both_ranks_naming_row_and_path(tmp_path, run_cli, tiny_dataset):
+    """A latent file removed after planning: the rank drawing it cannot load its batch; neither rank
+    trains that step (no hang), the job exits 1 naming the manifest row and path, and the steps
+    before it stay in results.json."""
+    from adaptiveload.sched.manifest import load_manifest
+    from adaptiveload.train.job import eval_indices
+
+    manifest = tiny_dataset(tmp_path / "data", TINY_SHAPES, 24)
+    evaluated = set(eval_indices(load_manifest(manifest), 4))
+    row = max(set(range(24)) - evaluated)  # not read before training starts
+    gone = tmp_path / "data" / "latents" / f"{row}{'.safetensors' if row % 2 == 0 else '.pt'}"
+    gone.unlink()
+    out = tmp_path / "out"
+    proc = run_cli("train", "--manifest", manifest, "--backend", "eager", "--profile-every", "0", "--quiet",
+                   "--dist-timeout", "20", "--out", out, nproc=2, timeout=200)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"could not load its batch: {manifest}: row {row + 1}: latent file {gone}: no such file" in proc.stdout
+    (run,) = _results(out)["runs"]
+    assert run["status"] == "failed" and f"row {row + 1}" in run["error"]
+    assert run["steps"] == len(run["history"]) < run["steps_per_epoch"]
+    seen = {i for h in run["history"] for rank in h["indices"] for i in rank}
+    assert row not in seen
+
+
+@pytest.mark.slow
+def test_a_failed_baseline_is_reported_beside_the_run(tmp_path, run_cli):
+    """The baseline stops at warm-up with non-finite time-embedding gradients: the job still prints
+    both runs side by side (the baseline's status and reason), records them in results.json and
+    exits 0, since the run asked for succeeded."""
+    out = tmp_path / "out"
+    proc = run_cli("train", "--model", "faulty_model:nan_time_embedding_in_second_model", "--backend", "eager",
+                   "--baseline", "--calibration", "anchors-wan1.3b", "--m-mem", "2100", "--samples", "32",
+                   "--steps", "2", "--profile-every", "0", "--quiet", "--out", out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    main, baseline = _results(out)["runs"]
+    assert main["name"] == "eager+dual" and main["status"] == "ok" and main["steps"] == 2
+    assert baseline["name"] == "baseline:eager+equal_token" and baseline["status"] == "failed"
+    assert baseline["error"].startswith("warm-up step 0: rank 0 got a non-finite loss or gradient")
+    assert "non-finite gradients in 4 parameter(s): time_embedding.0.weight" in baseline["error"]
+    assert baseline["steps"] == 0 and baseline["hint"] is None  # eager, not Inductor: no compiler hint
+    lines = proc.stdout.splitlines()
+    (status,) = [line for line in lines if line.startswith("status ")]
+    assert status.split()[1:] == ["ok", "failed"]
+    assert ("speedup (tokens/s, eager+dual / baseline:eager+equal_token): - (baseline:eager+equal_token failed)"
+            in lines)
+    assert f"baseline:eager+equal_token: {baseline['error']}" in proc.stdout
+    assert "results:" in proc.stdout and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_ltx_geometry_in_train_and_calibrate(tmp_path, run_cli):
+    """--vae-stride 8,32,32 --patch-size 1,1,1 (LTX-Video): token counts by hand, recorded in the
+    calibration and results; calibrate measures the same shapes."""
+    manifest = tmp_path / "m.csv"
+    # (F-1)//8 + 1, H//32, W//32: 17x128x192 -> 3x4x6 (S = 72), 9x128x128 -> 2x4x4 (32), 1x64x96 -> 1x2x3 (6)
+    manifest.write_text("num_frames,height,width\n" + "17,128,192\n9,128,128\n1,64,96\n" * 4)
+    geometry = ("--vae-stride", "8,32,32", "--patch-size", "1,1,1", "--downscale", "1")
+    out = tmp_path / "out"
+    proc = run_cli("train", "--manifest", manifest, *geometry, "--backend", "eager", "--steps", "3", "--quiet",
+                   "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = _results(out)
+    assert (results["corpus"]["seq_len_min"], results["corpus"]["seq_len_max"]) == (6, 72)
+    assert results["corpus"]["vae_stride"] == [8, 32, 32] and results["corpus"]["patch_size"] == [1, 1, 1]
+    (run,) = results["runs"]
+    assert run["model"]["patch_size"] == [1, 1, 1] and {s for h in run["history"] for s in h["seq_lens"]} <= {6, 32, 72}
+    settings = json.loads((out / "calibration.json").read_text())["settings"]
+    assert settings["vae_stride"] == [8, 32, 32] and settings["patch_size"] == [1, 1, 1] and settings["downscale"] == 1
+    cal = tmp_path / "cal.json"
+    proc = run_cli("calibrate", "--manifest", manifest, *geometry, "--backend", "eager", "--shapes", "3",
+                   "--batch-sizes", "1", "--warmup", "0", "--repeats", "1", "--out", cal)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = json.loads(cal.read_text())["points"]
+    assert sorted((p["seq_len"], tuple(p["latent_shape"])) for p in points) == [
+        (6, (1, 2, 3)), (32, (2, 4, 4)), (72, (3, 4, 6))]

@@ -2,6 +2,7 @@
 import os
 
 import numpy as np
+import pytest
 import torch
 
 
@@ -80,3 +81,59 @@ def test_quiet_silences_kineto_and_restores_the_environment(monkeypatch):
     with quiet_profiler(True):
         assert os.environ["KINETO_LOG_LEVEL"] == "2"
     assert os.environ["KINETO_LOG_LEVEL"] == "2"
+
+
+def test_a_batch_that_cannot_be_loaded_stops_the_step_before_training():
+    """A sample file error while fetching: no rank trains (the weights stay), and the message names
+    the row and the file (status 5)."""
+    from adaptiveload.train.data import SampleError
+    from adaptiveload.train.distributed import DistContext
+    from adaptiveload.train.loop import one_step
+
+    class Step:
+        device = torch.device("cpu")
+        module = None
+        calls = 0
+
+        def __call__(self, batch, global_samples):
+            Step.calls += 1
+
+    def batches():
+        raise SampleError("m.csv: row 7: latent file /d/7.pt: no such file")
+        yield
+
+    record, failure = one_step(Step(), batches(), DistContext(), 3, profile=False)
+    assert record == {} and Step.calls == 0
+    assert failure == "step 3: rank 0 could not load its batch: m.csv: row 7: latent file /d/7.pt: no such file"
+
+
+def test_failure_message_of_a_rank_without_its_batch():
+    from adaptiveload.train.loop import failure_message
+
+    nan = float("nan")
+    rows = np.array([[0, 1.0, nan, nan, 0, 2, 90, 5, 6, 12], [5, 1.0, nan, nan, 0, 0, 0, 0, 0, 0]])
+    assert failure_message(rows, ["", "m.csv: row 2: text file t.pt: no such file"], 0) == \
+        "step 0: rank 1 could not load its batch: m.csv: row 2: text file t.pt: no such file"
+
+
+@pytest.mark.parametrize("backend, inner, version, names, hinted", [
+    ("inductor", "inductor", "2.11.0+cu130", "scale_shift_table, blocks.0.scale_shift_table", True),
+    ("adaptiveload", "inductor", "2.10.1", "condition_embedder.time_embedder.linear_1.weight", True),
+    ("inductor", "inductor", "2.11.0", "time_projection.1.weight", True),
+    ("inductor", "inductor", "2.12.0", "time_projection.1.weight", False),  # another release
+    ("inductor", "inductor", "2.9.1", "scale_shift_table", False),
+    ("adaptiveload", "aot_eager", "2.11.0", "scale_shift_table", False),  # no Inductor
+    ("eager", "inductor", "2.11.0", "scale_shift_table", False),
+    ("inductor", "inductor", "2.11.0", "blocks.3.ffn.0.weight, head.weight", False),  # other parameters
+])
+def test_compiler_hint_names_the_inductor_gradient_bug(backend, inner, version, names, hinted):
+    from adaptiveload.train.loop import compiler_hint
+    from adaptiveload.train.step import StepConfig
+
+    message = (f"warm-up step 0: rank 0 got a non-finite loss or gradient on bucket latent 21x60x104 (S=32,760) with "
+               f"B=1 (loss 0.912; non-finite gradients in 2 parameter(s): {names}; the optimizer step was skipped)")
+    hint = compiler_hint(StepConfig(backend=backend, inner=inner), message, version)
+    assert (hint is not None) == hinted
+    if hinted:
+        assert "\n" not in hint and "pytorch/pytorch#193061" in hint and version in hint
+    assert compiler_hint(StepConfig(backend=backend, inner=inner), "step 0: rank 0 ran out of memory", version) is None

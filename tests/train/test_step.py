@@ -1,6 +1,7 @@
 """TrainStep: the flow-matching loss, global-sample normalisation (one process and FSDP2 over gloo),
 frozen-weight steps, one compiled graph for every bucket, and model loading errors."""
 import contextlib
+import sys
 import textwrap
 
 import pytest
@@ -207,14 +208,70 @@ def test_new_bucket_shapes_reuse_the_graphs_of_their_size_class():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"preset": "nope"}, "unknown model preset 'nope'"),
-    ({"factory": "no_colon"}, "MODULE:FACTORY"),
-    ({"factory": "adaptiveload.missing_module:f"}, "cannot load the factory"),
+    ({"factory": "no_colon"}, "--model no_colon: expected MODULE:FACTORY"),
+    ({"factory": "adaptiveload.missing_module:f"}, "--model adaptiveload.missing_module:f: cannot import module"),
+    ({"factory": "missing_file.py:f"}, "--model missing_file.py:f: no such file: missing_file.py"),
     ({"factory": "collections:OrderedDict"}, "returned OrderedDict, not an nn.Module"),
     ({}, "exactly one of"),
 ])
 def test_load_model_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         load_model(**kwargs)
+
+
+_FACTORY_FILE = textwrap.dedent("""
+    from adaptiveload.models import WanDiT
+    from adaptiveload.models.config import PRESETS
+
+    def build():
+        return WanDiT(PRESETS["tiny"])
+""")
+
+
+def test_model_from_a_file_or_a_module_in_the_current_directory(tmp_path, monkeypatch):
+    """--model FILE.py:FACTORY and MODULE:FACTORY with the module in the current directory, as
+    `adaptiveload inspect` takes them."""
+    (tmp_path / "my_dit.py").write_text(_FACTORY_FILE)
+    from_file = load_model(factory=f"{tmp_path / 'my_dit.py'}:build")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "my_dit", raising=False)
+    from_module = load_model(factory="my_dit:build")
+    for model in (from_file, from_module):
+        assert type(model).__name__ == "WanDiT" and model.config.dim == 64
+        assert InputSpec.from_model(model) == InputSpec(in_channels=4, text_len=8, text_dim=32, patch_size=(1, 2, 2))
+
+
+def test_a_preset_takes_another_patch_size():
+    model = load_model(preset="tiny", patch_size=(2, 2, 2))
+    assert model.patch_embedding.kernel_size == (2, 2, 2) and InputSpec.from_model(model).patch_size == (2, 2, 2)
+    out = model(torch.zeros(1, 4, 4, 4, 6), torch.zeros(1), torch.zeros(1, 8, 32))
+    assert out.shape == (1, 4, 4, 4, 6)
+
+
+def test_an_int_patch_size_says_what_to_wrap():
+    """diffusers' Flux / HunyuanVideo / CogVideoX keep an int patch_size (and CogVideoX 1.5 a
+    patch_size_t): one line saying what to wrap, not a TypeError."""
+    class Image(nn.Module):
+        config = {"in_channels": 16, "text_dim": 4096, "patch_size": 2, "patch_size_t": 2}
+
+    with pytest.raises(ValueError) as info:
+        InputSpec.from_model(Image())
+    text = str(info.value)
+    assert "\n" not in text and "model Image: config.patch_size is the int 2" in text
+    assert "e.g. (2, 2, 2)" in text and "adaptiveload.train.diffusers_wan" in text
+    Image.config = {"in_channels": 16, "text_dim": 4096, "patch_size": (1, 2)}
+    with pytest.raises(ValueError, match=r"model Image: config.patch_size must be three positive ints \(pt, ph, pw\), got \(1, 2\)"):
+        InputSpec.from_model(Image())
+
+
+def test_diffusers_cogvideox_gets_the_wrap_message():
+    diffusers = pytest.importorskip("diffusers")
+    model = diffusers.CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                                                  out_channels=4, num_layers=1, text_embed_dim=16, time_embed_dim=8,
+                                                  sample_width=8, sample_height=8, sample_frames=5, patch_size=2,
+                                                  patch_size_t=2)
+    with pytest.raises(ValueError, match=r"config.patch_size is the int 2 .* e.g. \(2, 2, 2\)"):
+        InputSpec.from_model(model)
 
 
 def test_step_config_rejects_unknown_backend():
