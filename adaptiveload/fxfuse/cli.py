@@ -1,4 +1,5 @@
-"""``adaptiveload inspect``: list the LayerNorm→modulate chains of a user's model before a long run.
+"""``adaptiveload inspect``: list the norm→modulate chains of a user's model (and what any registered
+pattern matches) before a long run.
 
     adaptiveload inspect mypkg.models:build_dit
     adaptiveload inspect path/to/model.py:build --input-shapes "2,256,64;2,64" --dtype bfloat16
@@ -13,9 +14,10 @@ on the path) or in a ``.py`` file. It returns either
 The model runs once (with autograd enabled, in the mode the factory left it, so activation
 checkpointing shows as it will in training) under ``torch.compile`` with a backend that captures
 each Dynamo graph and runs :func:`adaptiveload.fxfuse.fuse_adaln` on a copy; nothing is compiled.
-The command prints one table per graph with chains (location, source line, norm, variant,
-modulation layout, fused or skipped and why) and, to stdout whatever the logging setup, the total
-summary line "total: fused N LayerNorm→modulate chains (M seen, K skipped: reasons)".
+The command prints one table per graph with chains (the pattern that matched, location, source line,
+norm, variant, modulation layout, fused or skipped and why) and, to stdout whatever the logging
+setup, the total summary line "total: fused N chains (M seen, K skipped: reasons) [fused/seen:
+<pattern> F/S, ...]".
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 def add_commands(subparsers) -> None:
     parser = subparsers.add_parser(
         "inspect",
-        help="list the LayerNorm→modulate chains of a model and whether the backend fuses them",
+        help="list the norm→modulate chains of a model, the pattern of each and whether the backend fuses it",
         description=__doc__.split("\n\n")[0],
         epilog="The factory returns an nn.Module, or (module, inputs) with inputs a tuple/list of positional "
         "arguments or a dict of keyword arguments.",

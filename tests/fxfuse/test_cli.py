@@ -25,7 +25,8 @@ FACTORIES = textwrap.dedent(
         def forward(self, x, c):
             shift, scale = self.ada(c).chunk(2, dim=1)
             y = self.norm(x) * (1 + scale[:, None]) + shift[:, None]
-            return F.layer_norm(y, (D,)) * scale[:, None] + shift[:, None]
+            z = F.layer_norm(y, (D,)) * scale[:, None] + shift[:, None]
+            return F.rms_norm(z, (D,)) * (1 + scale[:, None])
 
     def with_inputs():
         return Block(), (torch.randn(2, 5, D), torch.randn(2, D))
@@ -69,10 +70,13 @@ def test_prints_the_table_of_chains(factory_file, factory, capsys):
     assert _run(f"{factory_file}:{factory}") == 0
     out = capsys.readouterr().out
     assert "Dynamo captured 1 graph(s)" in out
-    assert "norm*(1+scale)+shift  per-sample  fused" in out
+    assert "norm*(1+scale)+shift  per-sample            fused" in out
     assert f"skipped: {UNSCALED}" in out
-    assert out.rstrip().endswith(f"total: fused 1 chains (2 seen, 1 skipped: 1× {UNSCALED}) "
-                                 "[fused/seen: adaln_modulate 1/2]")
+    rows = [line.split() for line in out.splitlines() if line[:1].isdigit()]
+    assert [(r[1], r[4]) for r in rows] == [("adaln_modulate", "F.layer_norm"), ("adaln_modulate", "F.layer_norm"),
+                                            ("rms_norm_modulate", "F.rms_norm")]
+    assert out.rstrip().endswith(f"total: fused 2 chains (3 seen, 1 skipped: 1× {UNSCALED}) "
+                                 "[fused/seen: adaln_modulate 1/2, rms_norm_modulate 1/1]")
 
 
 def test_prints_the_summary_without_chains_too(factory_file, capsys):
@@ -83,14 +87,14 @@ def test_prints_the_summary_without_chains_too(factory_file, capsys):
 
 def test_module_factory_with_input_shapes_and_dtype(factory_file, capsys):
     assert _run(f"{factory_file}:module_only", "--input-shapes", "2,7,16; 2,16", "--dtype", "bfloat16") == 0
-    assert "fused 1 chains" in capsys.readouterr().out
+    assert "fused 2 chains" in capsys.readouterr().out
 
 
 def test_dotted_module_path_from_the_current_directory(factory_file, monkeypatch, capsys):
     monkeypatch.chdir(factory_file.parent)
     monkeypatch.syspath_prepend(str(factory_file.parent))
     assert _run("user_model:with_inputs") == 0
-    assert "total: fused 1" in capsys.readouterr().out
+    assert "total: fused 2" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
