@@ -1,7 +1,7 @@
 """diffusers' ``WanTransformer3DModel`` as a ``--model`` factory (needs ``pip install diffusers``).
 
     adaptiveload train --model adaptiveload.train.diffusers_wan:wan_1_3b
-    adaptiveload calibrate --model adaptiveload.train.diffusers_wan:wan_1_3b_10_layers   # ANCHORS §2's cut
+    adaptiveload calibrate --model adaptiveload.train.diffusers_wan:wan_1_3b_10_layers   # the first 10 layers
 
 The wrapper gives the diffusers model the interface the train job expects: ``model(latents,
 timestep, context)`` returning the prediction tensor, a ``config`` with ``in_channels``,
@@ -64,5 +64,6 @@ def wan_1_3b() -> DiffusersWan:
 
 
 def wan_1_3b_10_layers() -> DiffusersWan:
-    """The first 10 of Wan 2.1 1.3B's 30 layers (the model of ANCHORS §2)."""
+    """The first 10 of Wan 2.1 1.3B's 30 layers: the depth of the reference model's H200 runs
+    (``--preset wan2.1-1.3b --num-layers 10``, benchmarks/results/train_h200/)."""
     return DiffusersWan(num_layers=10)
