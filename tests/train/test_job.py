@@ -194,7 +194,8 @@ def test_non_finite_gradient_in_a_bucket_names_it_and_keeps_the_weights(tmp_path
     (("--preset", "wan9"), "unknown model preset 'wan9'"),
     (("--manifest", "MISSING.csv"), "MISSING.csv"),
     (("--policy", "cost_grouped", "--plan", "PLAN4"), "was planned for world size 4, but this job runs on 1"),
-    (("--plan", "PLAN1"), "was planned for another corpus: 5 of the 5 buckets of reference_mix(num_samples=8"),
+    (("--plan", "PLAN1"), "re-plan this corpus with `adaptiveload plan` (the job writes it as manifest.csv in "
+                          "--out; --vae-stride 4,64,64 --patch-size 1,2,2) or omit --plan"),
 ])
 def test_bad_input_gives_one_clear_line(tmp_path, run_cli, args, message):
     """Bad input stops the job before any step: a full-resolution plan (world size 1, as made for a
@@ -339,3 +340,4 @@ def test_ltx_geometry_in_train_and_calibrate(tmp_path, run_cli):
     points = json.loads(cal.read_text())["points"]
     assert sorted((p["seq_len"], tuple(p["latent_shape"])) for p in points) == [
         (6, (1, 2, 3)), (32, (2, 4, 4)), (72, (3, 4, 6))]
+
