@@ -8,7 +8,14 @@ Three families, all affine in the batch size B (``t = intercept(S) + B * per_sam
   ``fit_cost_model(kind="auto")`` when neither family above fits the measurements.
 
 Times are in seconds, S in tokens. :func:`fit_cost_model` fits one family (or picks the better by
-held-out error) from ``(B, S, t)`` points. On the Wan-1.3B H200 measurements of the built-in
+held-out error) from ``(B, S, t)`` points.
+
+Packs: a pack holds samples of different lengths, and attention runs per sample, so its time is
+``t = intercept + sum_i per_sample(S_i)`` (:meth:`CostModel.predict_packs`) -- for the quadratic
+model ``c0 + c1*sum_i S_i + c2*sum_i S_i^2``: the sum of squares, not the square of the sum. A batch
+of B samples of one length is the pack of B equal samples, so a calibration fitted on batches gives
+the packed model directly; :func:`fit_packed_cost_model` fits the same families to measured packs
+of mixed lengths. On the Wan-1.3B H200 measurements of the built-in
 calibrations (adaptiveload/sched/presets.py) the power fit gives ``p = 1.41 +- 0.04, R^2 = 0.987`` and
 the quadratic ``R^2 = 0.998``.
 
@@ -122,6 +129,35 @@ class CostModel(ABC):
         b = np.asarray(batch_sizes, dtype=np.float64)
         s = np.asarray(seq_lens, dtype=np.float64)
         return self.intercept(s) + b * self.per_sample(s)
+
+    def predict_packs(self, seq_lens, pack_sizes) -> np.ndarray:
+        """Predicted step time in seconds of packs of samples of different lengths:
+        ``t = intercept + sum_i per_sample(S_i)`` over each pack's samples (the intercept of every
+        family here does not depend on S).
+
+        Args:
+            seq_lens: int array [sum(pack_sizes)], tokens of every sample, pack after pack.
+            pack_sizes: int array [m], samples in each pack (0 gives the intercept alone).
+
+        Returns:
+            float64 array [m], seconds.
+
+        Raises:
+            ValueError: ``pack_sizes`` negative or not summing to ``len(seq_lens)``.
+
+        Example::
+
+            >>> q = QuadraticCostModel(0.02, 1e-6, 1e-10)
+            >>> [round(float(t), 9) for t in q.predict_packs([1000, 3000, 2000, 2000], [2, 2])]  # equal sum of S
+            [0.025, 0.0248]
+        """
+        s = np.asarray(seq_lens, dtype=np.float64).reshape(-1)
+        sizes = np.asarray(pack_sizes, dtype=np.int64).reshape(-1)
+        if np.any(sizes < 0) or int(sizes.sum()) != s.size:
+            raise ValueError(f"pack_sizes must be >= 0 and sum to the {s.size} sequence lengths, got sum "
+                             f"{int(sizes.sum())} (smallest {int(sizes.min(initial=0))})")
+        pack = np.repeat(np.arange(sizes.size), sizes)
+        return self.intercept(np.zeros(sizes.size)) + np.bincount(pack, weights=self.per_sample(s), minlength=sizes.size)
 
     def max_batch_size(self, seq_lens, budget_s: float) -> np.ndarray:
         """Largest B with ``predict(B, S) <= budget_s`` (may be 0 when one sample exceeds the budget).
@@ -272,17 +308,65 @@ class LinearCostModel(CostModel):
 # ----------------------------------------------------------------------------------------- fitting
 
 
-def _validate_points(batch_sizes, seq_lens, step_times):
+@dataclass(frozen=True)
+class _Work:
+    """Measured steps as the samples they trained: step k ran ``mult[i]`` samples of ``s[i]`` tokens
+    for every i with ``point[i] == k`` (a batch of B samples of length S is one entry, a pack one
+    entry per sample), so every family's B-dependent term is a per-step sum (:meth:`total`)."""
+
+    s: np.ndarray  # float64 [m], tokens
+    mult: np.ndarray  # float64 [m], samples
+    point: np.ndarray  # int64 [m], measured step of each entry
+    n: int  # measured steps
+
+    @classmethod
+    def of_batches(cls, b, s) -> "_Work":
+        return cls(s, b, np.arange(s.size), int(s.size))
+
+    @classmethod
+    def of_packs(cls, s, sizes) -> "_Work":
+        return cls(s, np.ones_like(s), np.repeat(np.arange(sizes.size), sizes), int(sizes.size))
+
+    def total(self, per_sample) -> np.ndarray:
+        """float64 [n]: sum over each step's samples of ``per_sample`` (float64 [m], one value per entry)."""
+        return np.bincount(self.point, weights=self.mult * per_sample, minlength=self.n)
+
+    def subset(self, keep) -> "_Work":
+        """The steps where ``keep`` (bool [n]) is True."""
+        entries = keep[self.point]
+        renumber = np.cumsum(keep) - 1
+        return _Work(self.s[entries], self.mult[entries], renumber[self.point[entries]], int(np.sum(keep)))
+
+
+def _positive(name: str, v: np.ndarray) -> None:
+    bad = np.flatnonzero(~(np.isfinite(v) & (v > 0)))
+    if bad.size:
+        raise ValueError(f"{name}[{int(bad[0])}] = {v[bad[0]]!r}: must be a positive finite number")
+
+
+def _validate_points(batch_sizes, seq_lens, step_times) -> tuple[_Work, np.ndarray]:
     b = np.asarray(batch_sizes, dtype=np.float64).reshape(-1)
     s = np.asarray(seq_lens, dtype=np.float64).reshape(-1)
     t = np.asarray(step_times, dtype=np.float64).reshape(-1)
     if not (b.size == s.size == t.size):
         raise ValueError(f"batch_sizes, seq_lens, step_times must have equal lengths, got {b.size}, {s.size}, {t.size}")
     for name, v in (("batch_sizes", b), ("seq_lens", s), ("step_times", t)):
-        bad = np.flatnonzero(~(np.isfinite(v) & (v > 0)))
-        if bad.size:
-            raise ValueError(f"{name}[{int(bad[0])}] = {v[bad[0]]!r}: must be a positive finite number")
-    return b, s, t
+        _positive(name, v)
+    return _Work.of_batches(b, s), t
+
+
+def _validate_packs(packs, step_times) -> tuple[_Work, np.ndarray]:
+    lists = [np.asarray(p, dtype=np.float64).reshape(-1) for p in packs]
+    t = np.asarray(step_times, dtype=np.float64).reshape(-1)
+    if len(lists) != t.size:
+        raise ValueError(f"packs and step_times must have equal lengths, got {len(lists)}, {t.size}")
+    for k, pack in enumerate(lists):
+        if pack.size == 0:
+            raise ValueError(f"packs[{k}] is empty: a measured pack holds at least one sample")
+        _positive(f"packs[{k}]", pack)
+    _positive("step_times", t)
+    sizes = np.array([p.size for p in lists], dtype=np.int64)
+    return _Work.of_packs(np.concatenate(lists) if lists else np.zeros(0), sizes), t
 
 
 class _Degenerate(ValueError):
@@ -295,8 +379,9 @@ def _grows(term, t) -> bool:
     return bool(np.max(term / t) >= MIN_SLOPE_SHARE)
 
 
-def _fit_power(b, s, t):
-    """Weighted (relative-residual) least squares of ``t = a + beta * B * (S/s0)^p``.
+def _fit_power(work: _Work, t):
+    """Weighted (relative-residual) least squares of ``t = a + beta * sum (S/s0)^p`` (the sum over a
+    step's samples: ``B * (S/s0)^p`` for a batch).
 
     A grid over p with non-negative least squares for (a, beta) finds the basin, then
     ``scipy.optimize.curve_fit`` (bounds a >= 0, beta > 0, p in P_BOUNDS) refines and gives the covariance.
@@ -304,19 +389,19 @@ def _fit_power(b, s, t):
     Raises:
         _Degenerate: ``b = 0`` (the times do not grow with ``B*S^p``).
     """
-    s0 = float(np.exp(np.mean(np.log(s))))  # scale S to ~1 so the parameters are well conditioned
-    x = s / s0
+    s0 = float(np.exp(np.mean(np.log(work.s))))  # scale S to ~1 so the parameters are well conditioned
+    x = work.s / s0
     best = None
     for p in np.linspace(*P_BOUNDS, 251):
-        design = np.column_stack([np.ones_like(t), b * x**p]) / t[:, None]
+        design = np.column_stack([np.ones_like(t), work.total(x**p)]) / t[:, None]
         coef, residual = nnls(design, np.ones_like(t))
         if best is None or residual < best[0]:
             best = (residual, coef[0], coef[1], p)
     _, a0, beta0, p0 = best
     params, std = np.array([a0, beta0, p0]), np.full(3, np.nan)
 
-    def model(xdata, a, beta, p):
-        return a + beta * xdata[0] * xdata[1] ** p
+    def model(_, a, beta, p):
+        return a + beta * work.total(x**p)
 
     scale = float(np.mean(t))
     start = [max(a0, 1e-6 * scale), max(beta0, 1e-6 * scale), float(np.clip(p0, P_BOUNDS[0] + 1e-6, P_BOUNDS[1] - 1e-6))]
@@ -324,10 +409,10 @@ def _fit_power(b, s, t):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", OptimizeWarning)
             popt, pcov = curve_fit(
-                model, np.vstack([b, x]), t, p0=start, sigma=t,
+                model, np.arange(t.size), t, p0=start, sigma=t,
                 bounds=([0.0, 1e-12 * scale, P_BOUNDS[0]], [np.inf, np.inf, P_BOUNDS[1]]),
             )
-        if np.sum(((model(np.vstack([b, x]), *popt) - t) / t) ** 2) <= best[0] ** 2 * (1 + 1e-9):
+        if np.sum(((model(None, *popt) - t) / t) ** 2) <= best[0] ** 2 * (1 + 1e-9):
             params = popt
             if t.size > 3:
                 std = np.sqrt(np.clip(np.diag(pcov), 0, None))
@@ -335,7 +420,7 @@ def _fit_power(b, s, t):
         pass
     a, beta, p = (float(v) for v in params)
     b_coef = beta / s0**p
-    if not _grows(b_coef * b * s**p, t):
+    if not _grows(b_coef * work.total(work.s**p), t):
         raise _Degenerate("b = 0, the step times do not grow with B*S^p")
     p_std = float(std[2])
     b_std = float(std[1] / s0**p) if math.isfinite(std[1]) else float("nan")
@@ -366,23 +451,25 @@ def _nnls_relative(columns, t):
     return coef / col_scale, std
 
 
-def _fit_quadratic(b, s, t):
-    """Non-negative least squares on relative residuals of ``t = c0 + c1*B*S + c2*B*S^2``.
+def _fit_quadratic(work: _Work, t):
+    """Non-negative least squares on relative residuals of ``t = c0 + c1*sum S + c2*sum S^2`` (the sums
+    over a step's samples: ``B*S`` and ``B*S^2`` for a batch).
 
     Raises:
         _Degenerate: ``c1 + c2 = 0`` (the times do not grow with ``B*S``).
     """
-    c, std = _nnls_relative(np.column_stack([np.ones_like(t), b * s, b * s * s]), t)
-    if not _grows(c[1] * b * s + c[2] * b * s * s, t):
+    tokens, squares = work.total(work.s), work.total(work.s**2)
+    c, std = _nnls_relative(np.column_stack([np.ones_like(t), tokens, squares]), t)
+    if not _grows(c[1] * tokens + c[2] * squares, t):
         raise _Degenerate("c1 + c2 = 0, the step times do not grow with B*S")
     return QuadraticCostModel(*c), dict(zip(("c0", "c1", "c2"), (float(v) for v in std)))
 
 
-def _fit_linear(b, s, t):
-    """Non-negative least squares on relative residuals of ``t = c0 + c1*B*S``. When the times do not
-    grow with ``B*S`` (``c1 = 0``): the proportional ``t = c1*B*S`` (``c0 = 0``,
-    ``c1 = sum(x/t) / sum((x/t)^2)`` with ``x = B*S``, always > 0) -- time per token, the equal-token rule's assumption."""
-    x = b * s
+def _fit_linear(work: _Work, t):
+    """Non-negative least squares on relative residuals of ``t = c0 + c1*sum S``. When the times do not
+    grow with the tokens (``c1 = 0``): the proportional ``t = c1*sum S`` (``c0 = 0``,
+    ``c1 = sum(x/t) / sum((x/t)^2)`` with ``x = sum S``, always > 0) -- time per token, the equal-token rule's assumption."""
+    x = work.total(work.s)
     c, std = _nnls_relative(np.column_stack([np.ones_like(t), x]), t)
     if not _grows(c[1] * x, t):
         (c1,), (c1_std,) = _nnls_relative(x[:, None], t)
@@ -395,7 +482,12 @@ FIT_KINDS = tuple(_FITTERS)  # the kinds fit_cost_model takes besides "auto"
 _RECALIBRATE = "the times were probably measured under load: recalibrate on an idle machine"
 
 
-def _cross_validated_rel_rmse(fitter, n_params, b, s, t) -> float:
+def _predict(model: CostModel, work: _Work) -> np.ndarray:
+    """Predicted time (float64 [n], seconds) of each measured step of ``work``."""
+    return model.intercept(np.zeros(work.n)) + work.total(model.per_sample(work.s))
+
+
+def _cross_validated_rel_rmse(fitter, n_params, work: _Work, t) -> float:
     n = t.size
     k = min(n, MAX_FOLDS)
     if n - math.ceil(n / k) < n_params + 1:
@@ -405,22 +497,22 @@ def _cross_validated_rel_rmse(fitter, n_params, b, s, t) -> float:
     for fold in range(k):
         test = folds == fold
         try:
-            model, _ = fitter(b[~test], s[~test], t[~test])
+            model, _ = fitter(work.subset(~test), t[~test])
         except _Degenerate:  # the fit without this fold has no slope: no held-out error
             return float("nan")
-        errors[test] = (model.predict(b[test], s[test]) - t[test]) / t[test]
+        errors[test] = (_predict(model, work.subset(test)) - t[test]) / t[test]
     return float(np.sqrt(np.mean(errors**2)))
 
 
-def _fitted(kind: str, b, s, t) -> CostModel:
+def _fitted(kind: str, work: _Work, t) -> CostModel:
     """The ``kind`` fit with its :class:`FitStats` (no warnings). Raises _Degenerate as the fitter."""
     fitter, n_params = _FITTERS[kind]
-    model, param_std = fitter(b, s, t)
-    pred = model.predict(b, s)
+    model, param_std = fitter(work, t)
+    pred = _predict(model, work)
     ss_tot = float(np.sum((t - t.mean()) ** 2))
     r2 = 1.0 - float(np.sum((pred - t) ** 2)) / ss_tot if ss_tot > 0 else float("nan")
     rmse = float(np.sqrt(np.mean((pred - t) ** 2)))
-    model.fit = FitStats(int(t.size), r2, rmse, _cross_validated_rel_rmse(fitter, n_params, b, s, t), param_std)
+    model.fit = FitStats(int(t.size), r2, rmse, _cross_validated_rel_rmse(fitter, n_params, work, t), param_std)
     return model
 
 
@@ -475,14 +567,57 @@ def fit_cost_model(batch_sizes, seq_lens, step_times, kind: str = "auto") -> Cos
         >>> flat.kind, len(flat.fit.warnings)
         ('linear', 1)
     """
+    _check_kind(kind)
+    return _fit(*_validate_points(batch_sizes, seq_lens, step_times), kind)
+
+
+def fit_packed_cost_model(packs, step_times, kind: str = "auto") -> CostModel:
+    """Fit a step-time model to measured packs of samples of different lengths.
+
+    The families and the choice among them are those of :func:`fit_cost_model`, with each step's
+    work summed over its samples (:meth:`CostModel.predict_packs`): ``t = c0 + c1*sum S_i +
+    c2*sum S_i^2`` (quadratic), ``t = a + b*sum S_i^p`` (power), ``t = c0 + c1*sum S_i`` (linear);
+    ``kind="auto"`` keeps the good fit with the lower held-out error, else the linear model with a warning.
+
+    Args:
+        packs: sequence of int arrays [n_k], the sequence length (tokens) of every sample of each
+            measured pack.
+        step_times: array [len(packs)], measured step time of each pack in seconds.
+        kind: ``"auto"``, ``"power"``, ``"quadratic"`` or ``"linear"``.
+
+    Returns:
+        A :class:`PowerCostModel`, :class:`QuadraticCostModel` or :class:`LinearCostModel` (``.fit``
+        as in :func:`fit_cost_model`, over the packs).
+
+    Raises:
+        ValueError: unequal lengths, an empty pack, a non-positive or non-finite length or time (named
+            by pack and position), fewer than 3 packs, an unknown ``kind``; for a named family, a
+            degenerate fit or p pinned at a bound.
+
+    Example::
+
+        >>> packs = [[1560] * 8, [32760], [32760, 1560, 1560], [75600], [75600, 14040], [14040] * 4]
+        >>> times = [0.02 + 7e-6 * sum(p) + 4e-10 * sum(x * x for x in p) for p in packs]
+        >>> m = fit_packed_cost_model(packs, times, kind="quadratic")
+        >>> round(m.c0, 6), round(m.c1 * 1e6, 6), round(m.c2 * 1e10, 6)
+        (0.02, 7.0, 4.0)
+    """
+    _check_kind(kind)
+    return _fit(*_validate_packs(packs, step_times), kind)
+
+
+def _check_kind(kind: str) -> None:
     if kind not in ("auto", *FIT_KINDS):
         raise ValueError(f"kind must be one of 'auto', {', '.join(map(repr, FIT_KINDS))}; got {kind!r}")
-    b, s, t = _validate_points(batch_sizes, seq_lens, step_times)
+
+
+def _fit(work: _Work, t, kind: str) -> CostModel:
+    """:func:`fit_cost_model` on validated steps."""
     if t.size < 3:
         raise ValueError(f"need at least 3 measured points to fit a cost model, got {t.size}")
     if kind != "auto":
         try:
-            model = _fitted(kind, b, s, t)
+            model = _fitted(kind, work, t)
         except _Degenerate as err:
             raise ValueError(f"{kind} cost fit: {err}; kind='auto' falls back to a linear model") from None
         bound = _bound_hit(model)
@@ -495,7 +630,7 @@ def fit_cost_model(batch_sizes, seq_lens, step_times, kind: str = "auto") -> Cos
     good, notes = [], []
     for name in ("power", "quadratic"):
         try:
-            model = _fitted(name, b, s, t)
+            model = _fitted(name, work, t)
         except _Degenerate as err:
             notes.append(f"{name}: {err}")
             continue
@@ -510,7 +645,7 @@ def fit_cost_model(batch_sizes, seq_lens, step_times, kind: str = "auto") -> Cos
             return (0, cv) if math.isfinite(cv) else (1, -m.fit.r2 if math.isfinite(m.fit.r2) else 0.0)
 
         return min(good, key=score)
-    model = _fitted("linear", b, s, t)
+    model = _fitted("linear", work, t)
     model.fit.warnings = [f"poor step-time fit ({'; '.join(notes)}): using the linear model {model._formula()} "
                           f"(R^2 {model.r2:.2f}); {_RECALIBRATE}"]
     return model

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,12 +106,26 @@ class EpochPlan:
         """int64 [steps, world_size]: samples in each rank's batch."""
         return self.batch_size[self.step_batches]
 
-    def sample_counts(self, num_samples: int) -> np.ndarray:
-        """int64 [num_samples]: how often each sample is used this epoch (1 except drops/repeats)."""
+    def step_costs(self, cost_model: CostModel) -> np.ndarray:
+        """float64 [steps, world_size]: predicted seconds of each rank's batch."""
+        return cost_model.predict(self.step_batch_sizes(), self.step_seq_lens())
+
+    def step_tokens(self) -> np.ndarray:
+        """int64 [steps, world_size]: tokens each rank trains at each step."""
+        return self.step_batch_sizes() * self.step_seq_lens()
+
+    def step_samples(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(step, sample)``: int64 arrays, the global step of every sample trained (a repeated
+        batch's samples once more)."""
         ids = self.step_batches.reshape(-1)
         lengths = self.batch_size[ids]
         offsets = np.repeat(self.batch_start[ids] - (np.cumsum(lengths) - lengths), lengths)
-        return np.bincount(self.order[offsets + np.arange(int(lengths.sum()))], minlength=num_samples)
+        step = np.repeat(np.arange(ids.size) // self.step_batches.shape[1], lengths)
+        return step, self.order[offsets + np.arange(int(lengths.sum()))].astype(np.int64)
+
+    def sample_counts(self, num_samples: int) -> np.ndarray:
+        """int64 [num_samples]: how often each sample is used this epoch (1 except drops/repeats)."""
+        return np.bincount(self.step_samples()[1], minlength=num_samples)
 
 
 def group_buckets(shapes_or_seq_lens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -192,7 +207,113 @@ def _dist_default(num_replicas, rank) -> tuple[int, int]:
     return int(num_replicas), int(rank)
 
 
-class DualConstraintBucketSampler(torch.utils.data.Sampler):
+class EpochBatchSampler(torch.utils.data.Sampler, ABC):
+    """What every epoch-planned batch sampler of this package shares: ``set_epoch``, an exact
+    ``len()``, and exact mid-epoch resume with ``state_dict(consumed_steps=k)`` (module docstring).
+
+    A subclass sets ``num_replicas``, ``rank``, ``seed``, ``policy`` and calls :meth:`_init_epochs`;
+    it implements :meth:`steps_per_epoch`, ``_epoch_batches(start)`` (the lists of sample indices
+    this rank trains from global step ``start`` of ``self.epoch``) and ``_fingerprint()`` (a digest
+    of everything that decides the plan besides the seed and the epoch).
+    """
+
+    num_replicas: int
+    rank: int
+    seed: int
+    policy: str
+
+    def _init_epochs(self) -> None:
+        self.epoch = 0
+        self._resume_step = 0
+
+    @abstractmethod
+    def steps_per_epoch(self) -> int:
+        """Global steps (= batches per rank) in one epoch."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose plan the next iteration yields (call before each epoch, on every rank).
+
+        A resume point restored by :meth:`load_state_dict` is kept when ``epoch`` is the restored
+        epoch and discarded otherwise.
+        """
+        if int(epoch) != self.epoch:
+            self._resume_step = 0
+        self.epoch = int(epoch)
+
+    @property
+    def resume_step(self) -> int:
+        """Step of the current epoch the next iteration starts at (0 unless resumed).
+
+        A restored resume point is used by the next iteration that starts (its first ``next()``);
+        read it before iterating, e.g. ``enumerate(loader, start=sampler.resume_step)``.
+        """
+        return self._resume_step
+
+    def __len__(self) -> int:
+        """Batches the next iteration yields on this rank: steps per epoch minus the resume step."""
+        return self.steps_per_epoch() - self._resume_step
+
+    def __iter__(self):
+        # A generator: the body runs at the first next(), so an iterator that is created and dropped
+        # (DataLoader creates one in __init__ and another in _reset) does not use up the resume point.
+        start, self._resume_step = self._resume_step, 0
+        yield from self._epoch_batches(start)
+
+    @abstractmethod
+    def _epoch_batches(self, start: int):
+        """Lists of sample indices this rank trains from global step ``start`` of ``self.epoch``."""
+
+    @abstractmethod
+    def _fingerprint(self) -> str:
+        """Digest of everything besides seed and epoch that decides the plan."""
+
+    def state_dict(self, consumed_steps: int) -> dict:
+        """Resume state after ``consumed_steps`` steps of the current epoch were trained.
+
+        Args:
+            consumed_steps: global steps of the current epoch completed by training, counted from the
+                start of the epoch (including steps before an earlier resume); not the batches the
+                DataLoader has fetched ahead.
+
+        Returns:
+            A small dict (plain Python values) for the training checkpoint.
+
+        Raises:
+            ValueError: ``consumed_steps`` outside ``[0, steps_per_epoch()]``.
+        """
+        steps = self.steps_per_epoch()
+        if not 0 <= int(consumed_steps) <= steps:
+            raise ValueError(f"Invalid consumed_steps {consumed_steps}, it should be in the interval [0, {steps}]")
+        return {"version": STATE_VERSION, "epoch": self.epoch, "consumed_steps": int(consumed_steps),
+                "steps_per_epoch": steps, "seed": self.seed, "num_replicas": self.num_replicas,
+                "policy": self.policy, "fingerprint": self._fingerprint()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a :meth:`state_dict`: the next iteration yields epoch ``state["epoch"]`` from step
+        ``state["consumed_steps"]``.
+
+        Raises:
+            ValueError: a missing field, or a state from a different dataset, batch-size or packing
+                rule, world size, seed, policy or drop_last (resuming would not replay the same batches).
+        """
+        for key in ("version", "epoch", "consumed_steps", "num_replicas", "seed", "policy", "fingerprint"):
+            if key not in state:
+                raise ValueError(f"sampler state: missing field '{key}'")
+        for key, mine in (("num_replicas", self.num_replicas), ("seed", self.seed), ("policy", self.policy)):
+            if state[key] != mine:
+                raise ValueError(f"sampler state: {key} was {state[key]!r}, this sampler has {mine!r}; "
+                                 f"an exact resume needs the same value")
+        if state["fingerprint"] != self._fingerprint():
+            raise ValueError("sampler state: made for a different dataset, batch-size rule or drop_last "
+                             "(fingerprint mismatch); an exact resume needs the same ones")
+        self.epoch = int(state["epoch"])
+        steps = self.steps_per_epoch()
+        if not 0 <= int(state["consumed_steps"]) <= steps:
+            raise ValueError(f"sampler state: consumed_steps {state['consumed_steps']} outside [0, {steps}]")
+        self._resume_step = int(state["consumed_steps"])
+
+
+class DualConstraintBucketSampler(EpochBatchSampler):
     """Distributed batch sampler: one shape per batch, per-bucket batch sizes under memory and compute budgets.
 
     Use as ``DataLoader(dataset, batch_sampler=sampler, num_workers=...)``; it yields lists of sample
@@ -266,8 +387,7 @@ class DualConstraintBucketSampler(torch.utils.data.Sampler):
         self.seed, self.policy, self.drop_last = int(seed), policy, bool(drop_last)
         self.m_mem, self.m_comp, self.p = m_mem, m_comp, p
         self.cost_model, self.step_budget_s = cost_model, step_budget_s
-        self.epoch = 0
-        self._resume_step = 0
+        self._init_epochs()
 
         bucket_keys, inverse, counts = group_buckets(shapes_or_seq_lens)
         self.num_samples = int(inverse.shape[0])
@@ -415,40 +535,12 @@ class DualConstraintBucketSampler(torch.utils.data.Sampler):
             steps = batch_ids.reshape(-1, self.num_replicas)
         return EpochPlan(steps, batch_bucket, batch_size, batch_start, order, self.bucket_keys, self.bucket_seq_lens)
 
-    # ------------------------------------------------------------------------------ Sampler API
+    # ------------------------------------------------------------------------------ EpochBatchSampler hooks
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose plan the next iteration yields (call before each epoch, on every rank).
-
-        A resume point restored by :meth:`load_state_dict` is kept when ``epoch`` is the restored
-        epoch and discarded otherwise.
-        """
-        if int(epoch) != self.epoch:
-            self._resume_step = 0
-        self.epoch = int(epoch)
-
-    @property
-    def resume_step(self) -> int:
-        """Step of the current epoch the next iteration starts at (0 unless resumed).
-
-        A restored resume point is used by the next iteration that starts (its first ``next()``);
-        read it before iterating, e.g. ``enumerate(loader, start=sampler.resume_step)``.
-        """
-        return self._resume_step
-
-    def __len__(self) -> int:
-        """Batches the next iteration yields on this rank: steps per epoch minus the resume step."""
-        return self.steps_per_epoch() - self._resume_step
-
-    def __iter__(self):
-        # A generator: the body runs at the first next(), so an iterator that is created and dropped
-        # (DataLoader creates one in __init__ and another in _reset) does not use up the resume point.
-        start, self._resume_step = self._resume_step, 0
+    def _epoch_batches(self, start: int):
         plan = self.epoch_plan(self.epoch)
         for batch_id in plan.step_batches[start:, self.rank]:
             yield plan.indices(batch_id).tolist()
-
-    # ------------------------------------------------------------------------------ resume
 
     def _fingerprint(self) -> str:
         h = hashlib.sha1()
@@ -456,48 +548,3 @@ class DualConstraintBucketSampler(torch.utils.data.Sampler):
             h.update(np.ascontiguousarray(arr).tobytes())
         h.update(repr((self.num_replicas, self.seed, self.policy, self.drop_last)).encode())
         return h.hexdigest()
-
-    def state_dict(self, consumed_steps: int) -> dict:
-        """Resume state after ``consumed_steps`` steps of the current epoch were trained.
-
-        Args:
-            consumed_steps: global steps of the current epoch completed by training, counted from the
-                start of the epoch (including steps before an earlier resume); not the batches the
-                DataLoader has fetched ahead.
-
-        Returns:
-            A small dict (plain Python values) for the training checkpoint.
-
-        Raises:
-            ValueError: ``consumed_steps`` outside ``[0, steps_per_epoch()]``.
-        """
-        steps = self.steps_per_epoch()
-        if not 0 <= int(consumed_steps) <= steps:
-            raise ValueError(f"Invalid consumed_steps {consumed_steps}, it should be in the interval [0, {steps}]")
-        return {"version": STATE_VERSION, "epoch": self.epoch, "consumed_steps": int(consumed_steps),
-                "steps_per_epoch": steps, "seed": self.seed, "num_replicas": self.num_replicas,
-                "policy": self.policy, "fingerprint": self._fingerprint()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore a :meth:`state_dict`: the next iteration yields epoch ``state["epoch"]`` from step
-        ``state["consumed_steps"]``.
-
-        Raises:
-            ValueError: a missing field, or a state from a different dataset, batch-size rule, world
-                size, seed, policy or drop_last (resuming would not replay the same batches).
-        """
-        for key in ("version", "epoch", "consumed_steps", "num_replicas", "seed", "policy", "fingerprint"):
-            if key not in state:
-                raise ValueError(f"sampler state: missing field '{key}'")
-        for key, mine in (("num_replicas", self.num_replicas), ("seed", self.seed), ("policy", self.policy)):
-            if state[key] != mine:
-                raise ValueError(f"sampler state: {key} was {state[key]!r}, this sampler has {mine!r}; "
-                                 f"an exact resume needs the same value")
-        if state["fingerprint"] != self._fingerprint():
-            raise ValueError("sampler state: made for a different dataset, batch-size rule or drop_last "
-                             "(fingerprint mismatch); an exact resume needs the same ones")
-        self.epoch = int(state["epoch"])
-        steps = self.steps_per_epoch()
-        if not 0 <= int(state["consumed_steps"]) <= steps:
-            raise ValueError(f"sampler state: consumed_steps {state['consumed_steps']} outside [0, {steps}]")
-        self._resume_step = int(state["consumed_steps"])

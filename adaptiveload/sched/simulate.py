@@ -1,24 +1,24 @@
-"""Cluster simulation: replay the sampler's epoch plans and measure load balance and throughput.
+"""Cluster simulation: replay the samplers' epoch plans and measure load balance, throughput and
+the randomness of each step's samples.
 
-Each policy's batches are planned with the calibration's cost model and then scored twice: with
-that same model ("plan" columns) and with a separate truth ("truth" columns) -- another cost model
-(a different calibration, or the same measurements fitted with the other model family) times
-multiplicative noise ``max(0.05, 1 + sigma * N(0, 1))`` drawn per rank and step -- so balance is not
-graded only by the model that produced it.
+Each policy's batches (or packs) are planned with the calibration's cost model and then scored
+twice: with that same model ("plan" columns) and with a separate truth ("truth" columns) -- another
+cost model (a different calibration, or the same measurements fitted with the other model family)
+times multiplicative noise ``max(0.05, 1 + sigma * N(0, 1))`` drawn per rank and step -- so balance
+is not graded only by the model that produced it.
 
-Metrics, per policy, from per-rank step costs ``c[s, r]`` (seconds) of every step s:
-
-* compute-load CV: ``std_r(c) / mean_r(c)`` (population std), averaged over steps;
-* idle fraction: ``1 - mean_r(c) / max_r(c)``, averaged over steps;
-* tokens/s: all tokens trained / sum over steps of ``max_r(c)`` (a step ends with its slowest rank);
-* step time: mean, coefficient of variation across steps, p50 and p95 of ``max_r(c)``.
+Metrics, per policy (:mod:`adaptiveload.sched.metrics`): compute-load CV, idle fraction, tokens/s and
+step times under both models; the noise floor at that W (the CV and idle fraction the truth's noise
+alone gives an exactly balanced plan -- what no sampler can beat); the step composition
+(``composition_ks``, ``composition_lag1_corr``: how far each step's samples are from random samples).
 
 Policies (:mod:`adaptiveload.sched.policies`), each planned by :func:`make_plan` with that policy and
-replayed by :meth:`DualConstraintBucketSampler.from_plan`:
+replayed by :func:`~adaptiveload.sched.packing.sampler_from_plan`:
 
 * ``equal_token`` -- ``B = floor(M_mem_limit / S)``, ranks draw batches independently;
 * ``dual`` -- the plan's budgets, ranks draw independently;
-* ``cost_grouped`` -- the plan's budgets for W batches of similar cost per step.
+* ``cost_grouped`` -- the plan's budgets for W batches of similar cost per step;
+* ``packed`` -- cost-balanced packs of samples in random order (:mod:`adaptiveload.sched.packing`).
 """
 from __future__ import annotations
 
@@ -29,53 +29,16 @@ import numpy as np
 from adaptiveload.sched.calibration import Calibration
 from adaptiveload.sched.cost_model import CostModel
 from adaptiveload.sched.manifest import Manifest
+from adaptiveload.sched.metrics import composition, load_metrics, multiplicative_noise, noise_floor
+from adaptiveload.sched.packing import sampler_from_plan
 from adaptiveload.sched.plan import make_plan
 from adaptiveload.sched.policies import POLICIES, policy_name
-from adaptiveload.sched.sampler import DualConstraintBucketSampler
-
-NOISE_FLOOR = 0.05  # multiplicative noise is clipped here so a truth cost never goes non-positive
-
-
-def load_metrics(costs: np.ndarray, tokens: np.ndarray) -> dict:
-    """Balance and throughput of per-rank step costs.
-
-    Args:
-        costs: float [steps, world_size], seconds each rank computes in each step.
-        tokens: [steps, world_size], tokens each rank trains in each step.
-
-    Returns:
-        dict: ``cv``, ``idle``, ``tokens_per_s``, ``step_time_mean_s``, ``step_time_cv``,
-        ``step_time_p50_s``, ``step_time_p95_s``, ``steps`` (formulas in the module docstring).
-
-    Raises:
-        ValueError: ``costs`` not [steps, world_size] with at least one step.
-
-    Example::
-
-        >>> m = load_metrics([[1.0, 3.0], [2.0, 2.0]], [[10, 30], [20, 20]])
-        >>> m["cv"], m["tokens_per_s"], m["step_time_mean_s"], m["steps"]
-        (0.25, 16.0, 2.5, 2)
-    """
-    costs = np.asarray(costs, dtype=np.float64)
-    if costs.ndim != 2 or costs.shape[0] == 0:
-        raise ValueError(f"costs must be [steps, world_size] with at least one step, got shape {list(costs.shape)}")
-    mean, top = costs.mean(axis=1), costs.max(axis=1)
-    return {
-        "cv": float(np.mean(costs.std(axis=1) / mean)),
-        "idle": float(np.mean(1.0 - mean / top)),
-        "tokens_per_s": float(np.sum(tokens) / np.sum(top)),
-        "step_time_mean_s": float(top.mean()),
-        "step_time_cv": float(top.std() / top.mean()),
-        "step_time_p50_s": float(np.percentile(top, 50)),
-        "step_time_p95_s": float(np.percentile(top, 95)),
-        "steps": int(costs.shape[0]),
-    }
-
 
 @dataclass
 class PolicyResult:
     """Simulation of one policy (a name of :data:`~adaptiveload.sched.policies.POLICIES`): its rule
-    (``m_mem`` tokens, ``step_budget_s`` seconds or ``None``), and metrics under the plan model and the truth."""
+    (``m_mem`` tokens, ``step_budget_s`` seconds or ``None``), metrics under the plan model and the
+    truth, the noise floor at this world size and the step composition (module docstring)."""
 
     policy: str
     world_size: int
@@ -83,31 +46,57 @@ class PolicyResult:
     step_budget_s: float | None
     plan_metrics: dict
     truth_metrics: dict
+    noise_floor_cv: float = 0.0
+    noise_floor_idle: float = 0.0
+    composition_ks: float = float("nan")
+    composition_lag1_corr: float = float("nan")
 
     def to_json(self) -> dict:
-        """``policy``, ``world_size``, ``m_mem``, ``step_budget_s``, and the metrics as ``plan`` and ``truth``."""
+        """``policy``, ``world_size``, ``m_mem``, ``step_budget_s``, the metrics as ``plan`` and ``truth``,
+        and at the row level ``compute_load_cv_plan`` / ``_truth``, ``idle_fraction_plan`` / ``_truth``,
+        ``noise_floor_cv``, ``noise_floor_idle``, ``composition_ks``, ``composition_lag1_corr`` (NaN as ``None``)."""
+        def number(v):
+            return None if v is None or not np.isfinite(v) else float(v)
+
         return {"policy": self.policy, "world_size": self.world_size, "m_mem": self.m_mem,
-                "step_budget_s": self.step_budget_s, "plan": self.plan_metrics, "truth": self.truth_metrics}
+                "step_budget_s": self.step_budget_s, "plan": self.plan_metrics, "truth": self.truth_metrics,
+                "compute_load_cv_plan": self.plan_metrics["cv"], "compute_load_cv_truth": self.truth_metrics["cv"],
+                "idle_fraction_plan": self.plan_metrics["idle"], "idle_fraction_truth": self.truth_metrics["idle"],
+                "noise_floor_cv": self.noise_floor_cv, "noise_floor_idle": self.noise_floor_idle,
+                "composition_ks": number(self.composition_ks),
+                "composition_lag1_corr": number(self.composition_lag1_corr)}
 
 
-def replay(sampler: DualConstraintBucketSampler, plan_model: CostModel, truth_model: CostModel, *,
-           truth_noise: float = 0.05, epochs: int = 1, seed: int = 0) -> tuple[dict, dict]:
+def replay(sampler, plan_model: CostModel, truth_model: CostModel, seq_lens, *, truth_noise: float = 0.05,
+           epochs: int = 1, seed: int = 0) -> tuple[dict, dict, tuple[float, float]]:
     """Replay ``epochs`` epoch plans of ``sampler`` (all ranks) and score them.
 
+    Args:
+        sampler: a :class:`~adaptiveload.sched.sampler.DualConstraintBucketSampler` or
+            :class:`~adaptiveload.sched.packing.PackingSampler` (its ``epoch_plan(epoch)``).
+        plan_model, truth_model: the cost models scored with; seq_lens: int [n] of the corpus.
+        truth_noise, seed: sigma of the truth's noise and its seed.
+
     Returns:
-        ``(plan_metrics, truth_metrics)`` as :func:`load_metrics`.
+        ``(plan_metrics, truth_metrics, (composition_ks, composition_lag1_corr))``: the metrics as
+        :func:`load_metrics`, the composition as :func:`composition` over all epochs' steps in order.
     """
     rng = np.random.default_rng(seed)
-    plan_costs, truth_costs, tokens = [], [], []
+    plan_costs, truth_costs, tokens, steps, samples = [], [], [], [], []
+    first_step = 0
     for epoch in range(epochs):
         ep = sampler.epoch_plan(epoch)
-        b, s = ep.step_batch_sizes(), ep.step_seq_lens()
-        plan_costs.append(plan_model.predict(b, s))
-        noise = np.maximum(NOISE_FLOOR, 1.0 + truth_noise * rng.standard_normal(b.shape)) if truth_noise > 0 else 1.0
-        truth_costs.append(truth_model.predict(b, s) * noise)
-        tokens.append(b * s)
+        plan_costs.append(ep.step_costs(plan_model))
+        truth = ep.step_costs(truth_model)
+        truth_costs.append(truth * multiplicative_noise(rng, truth.shape, truth_noise))
+        tokens.append(ep.step_tokens())
+        step, sample = ep.step_samples()
+        steps.append(step + first_step)
+        samples.append(sample)
+        first_step += truth.shape[0]
     tokens = np.concatenate(tokens)
-    return load_metrics(np.concatenate(plan_costs), tokens), load_metrics(np.concatenate(truth_costs), tokens)
+    return (load_metrics(np.concatenate(plan_costs), tokens), load_metrics(np.concatenate(truth_costs), tokens),
+            composition(np.concatenate(steps), np.concatenate(samples), seq_lens))
 
 
 def simulate(manifest: Manifest, calibration: Calibration, world_size: int, *, policies=POLICIES,
@@ -120,7 +109,8 @@ def simulate(manifest: Manifest, calibration: Calibration, world_size: int, *, p
         calibration: the cost model batches are planned with (and the memory model for the limit).
         world_size: ranks W.
         policies: any of :data:`~adaptiveload.sched.policies.POLICIES` (``"equal_token"``, ``"dual"``,
-            ``"cost_grouped"``); older spellings are mapped by :func:`~adaptiveload.sched.policies.policy_name`.
+            ``"cost_grouped"``, ``"packed"``); older spellings are mapped by
+            :func:`~adaptiveload.sched.policies.policy_name`.
         truth_model: the cost model to score against (default: the plan model); times ``truth_noise``.
         truth_noise: sigma of the multiplicative Gaussian noise on each truth cost.
         memory_budget_bytes, m_mem, drop_oversized: as :func:`make_plan`.
@@ -132,33 +122,46 @@ def simulate(manifest: Manifest, calibration: Calibration, world_size: int, *, p
 
     Raises:
         ValueError: an unknown policy, or as :func:`make_plan`.
+
+    Example::
+
+        >>> from adaptiveload.sched.manifest import reference_mix
+        >>> from adaptiveload.sched.presets import load_calibration
+        >>> rows = simulate(reference_mix(20000), load_calibration("anchors-wan1.3b"), 8, m_mem=151200,
+        ...                 policies=("dual", "packed"))
+        >>> [(r.policy, r.plan_metrics["idle"] < 0.03, r.composition_ks < 0.3) for r in rows]
+        [('dual', False, False), ('packed', True, True)]
     """
     names = [policy_name(p) for p in policies]  # first: an unknown name fails before any planning
     truth_model = truth_model or calibration.cost_model
-    shapes = manifest.bucket_keys
+    floor_cv, floor_idle = noise_floor(world_size, truth_noise, seed=seed)
     results = []
     for policy in names:
         plan = make_plan(manifest, calibration, world_size, memory_budget_bytes=memory_budget_bytes, m_mem=m_mem,
                          drop_oversized=drop_oversized, policy=policy)
-        sampler = DualConstraintBucketSampler.from_plan(plan, shapes, num_replicas=world_size, rank=0, seed=seed)
-        plan_m, truth_m = replay(sampler, calibration.cost_model, truth_model, truth_noise=truth_noise,
-                                 epochs=epochs, seed=seed)
-        results.append(PolicyResult(policy, int(world_size), plan.m_mem, plan.step_budget_s, plan_m, truth_m))
+        sampler = sampler_from_plan(plan, manifest.bucket_keys, num_replicas=world_size, rank=0, seed=seed)
+        plan_m, truth_m, (ks, lag1) = replay(sampler, calibration.cost_model, truth_model, manifest.seq_lens,
+                                             truth_noise=truth_noise, epochs=epochs, seed=seed)
+        results.append(PolicyResult(policy, int(world_size), plan.m_mem, plan.step_budget_s, plan_m, truth_m,
+                                    floor_cv, floor_idle, ks, lag1))
     return results
 
 
 def format_results(results: list[PolicyResult]) -> str:
-    """A text table: per policy, plan-model and truth metrics side by side, speedup vs equal_token (truth)."""
+    """A text table: per policy, plan-model and truth metrics side by side with the noise floor,
+    speedup vs equal_token (truth), and the step composition."""
     base = {r.world_size: r.truth_metrics["tokens_per_s"] for r in results if r.policy == "equal_token"}
-    lines = [f"{'W':>5} {'policy':<16} {'M_mem':>8} {'budget ms':>9} | {'CV plan':>7} {'CV true':>7} | "
-             f"{'idle plan':>9} {'idle true':>9} | {'tok/s plan':>11} {'tok/s true':>11} {'vs eq-tok':>9} | "
-             f"{'step ms':>7} {'step CV':>7} {'p95 ms':>7} {'steps':>7}"]
+    lines = [f"{'W':>5} {'policy':<13} {'M_mem':>8} {'budget ms':>9} | {'CV plan':>7} {'CV true':>7} {'floor':>5} | "
+             f"{'idle plan':>9} {'idle true':>9} {'floor':>5} | {'tok/s plan':>11} {'tok/s true':>11} {'vs eq-tok':>9} | "
+             f"{'step ms':>7} {'step CV':>7} {'p95 ms':>7} {'steps':>7} | {'KS':>5} {'lag1':>6}"]
     for r in results:
         p, t = r.plan_metrics, r.truth_metrics
         budget = "-" if r.step_budget_s is None else f"{r.step_budget_s * 1e3:.0f}"
         speed = f"{t['tokens_per_s'] / base[r.world_size]:.2f}x" if r.world_size in base else "-"
-        lines.append(f"{r.world_size:>5} {r.policy:<16} {r.m_mem:>8} {budget:>9} | {p['cv']:>7.3f} {t['cv']:>7.3f} | "
-                     f"{p['idle']:>9.3f} {t['idle']:>9.3f} | {p['tokens_per_s']:>11,.0f} {t['tokens_per_s']:>11,.0f} "
-                     f"{speed:>9} | {t['step_time_mean_s'] * 1e3:>7.0f} {t['step_time_cv']:>7.3f} "
-                     f"{t['step_time_p95_s'] * 1e3:>7.0f} {t['steps']:>7}")
+        lag1 = "-" if not np.isfinite(r.composition_lag1_corr) else f"{r.composition_lag1_corr:+.3f}"
+        lines.append(f"{r.world_size:>5} {r.policy:<13} {r.m_mem:>8} {budget:>9} | {p['cv']:>7.3f} {t['cv']:>7.3f} "
+                     f"{r.noise_floor_cv:>5.3f} | {p['idle']:>9.3f} {t['idle']:>9.3f} {r.noise_floor_idle:>5.3f} | "
+                     f"{p['tokens_per_s']:>11,.0f} {t['tokens_per_s']:>11,.0f} {speed:>9} | "
+                     f"{t['step_time_mean_s'] * 1e3:>7.0f} {t['step_time_cv']:>7.3f} {t['step_time_p95_s'] * 1e3:>7.0f} "
+                     f"{t['steps']:>7} | {r.composition_ks:>5.3f} {lag1:>6}")
     return "\n".join(lines)

@@ -97,7 +97,13 @@ def test_simulate_out(tmp_path, capsys):
     assert text.count("equal_token") == 2 and "CV true" in text
     rows = json.loads(out.read_text())
     assert [(r["world_size"], r["policy"]) for r in rows] == [
-        (w, p) for w in (2, 8) for p in ("equal_token", "dual", "cost_grouped")]
+        (w, p) for w in (2, 8) for p in ("equal_token", "dual", "cost_grouped", "packed")]
+    # every row has the balance, noise-floor and composition fields at the row level
+    for r in rows:
+        assert (r["compute_load_cv_plan"], r["compute_load_cv_truth"]) == (r["plan"]["cv"], r["truth"]["cv"])
+        assert (r["idle_fraction_plan"], r["idle_fraction_truth"]) == (r["plan"]["idle"], r["truth"]["idle"])
+        assert 0 < r["noise_floor_cv"] < 0.06 and 0 < r["noise_floor_idle"] < 0.08
+        assert 0 < r["composition_ks"] < 1 and -1 <= r["composition_lag1_corr"] <= 1
     # the equal_token row's rule is B = M_mem / S with no step budget
     assert [(r["m_mem"], r["step_budget_s"]) for r in rows if r["policy"] == "equal_token"] == [(151200, None)] * 2
     assert _run(["simulate", "--calibration", "anchors-wan1.3b", "--truth", "power", "--policy", "cost_grouped",
@@ -154,9 +160,12 @@ def test_old_json_flag_writes_the_same_file(tmp_path, capsys):
     ([*PLAN, "--samples", "0"], "argument --samples: must be an integer >= 1, got 0"),
     ([*PLAN, "--m-mem", "1.5"], "argument --m-mem: must be an integer, got '1.5'"),
     ([*PLAN, "--memory-budget-gb", "0"], "argument --memory-budget-gb: must be a finite number > 0, got 0"),
-    ([*PLAN, "--policy", "fast"], "argument --policy: invalid choice 'fast' (choose from equal_token, dual, cost_grouped)"),
+    ([*PLAN, "--policy", "fast"],
+     "argument --policy: invalid choice 'fast' (choose from equal_token, dual, cost_grouped, packed)"),
     ([*SIM, "--policy", "all", "fast"],
-     "argument --policy: invalid choice 'fast' (choose from equal_token, dual, cost_grouped, all)"),
+     "argument --policy: invalid choice 'fast' (choose from equal_token, dual, cost_grouped, packed, all)"),
+    ([*PLAN, "--vae-stride", "4,8"], "argument --vae-stride: expected three comma-separated integers T,H,W, got 2 in '4,8'"),
+    ([*SIM, "--patch-size", "1,0,2"], "argument --patch-size: expected integers T,H,W >= 1, got '1,0,2'"),
 ])
 def test_bad_values_are_rejected_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -167,7 +176,8 @@ def test_bad_values_are_rejected_naming_the_flag(argv, message, capsys):
 
 def test_help_shows_every_default_once():
     plan, sim = _help("plan"), _help("simulate")
-    assert "--policy {equal_token,dual,cost_grouped}" in plan and "(default: dual)" in plan
+    assert "--policy {equal_token,dual,cost_grouped,packed}" in plan and "(default: dual)" in plan
+    assert "--vae-stride T,H,W" in plan and "(default: 4,8,8)" in plan and "(default: 1,2,2)" in sim
     assert "(default: all)" in sim and "(default: 0.05)" in sim and "(default: plan)" in sim
     for text in (plan, sim):
         assert "--seed SEED seed of the reference mix and of the sampler (default: 0)" in text

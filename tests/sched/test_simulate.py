@@ -32,7 +32,7 @@ def test_reference_mix_targets_at_w8():
     m = reference_mix(200_000, seed=0)
     cal = load_calibration("anchors-wan1.3b")
     res = {r.policy: r for r in simulate(m, cal, 8, m_mem=151200, truth_noise=0.05)}
-    assert list(res) == ["equal_token", "dual", "cost_grouped"]
+    assert list(res) == ["equal_token", "dual", "cost_grouped", "packed"]
     eq, dual, grouped = (res[p].truth_metrics for p in ("equal_token", "dual", "cost_grouped"))
     assert 0.34 <= eq["cv"] <= 0.40
     assert dual["cv"] <= 0.19 and dual["tokens_per_s"] >= 1.20 * eq["tokens_per_s"]
