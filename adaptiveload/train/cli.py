@@ -194,7 +194,8 @@ def add_commands(subparsers) -> None:
     run.add_argument("--policy", type=choice("--policy", POLICIES, DEPRECATED_NAMES), default="dual",
                      metavar="{" + ",".join(POLICIES) + "}",
                      help="batching policy: equal_token (B = M_mem/S), dual (the dual-constraint rule), cost_grouped "
-                          "(dual, and each step's batches of similar cost)")
+                          "(dual, and each step's batches of similar cost), packed (packs of samples of different "
+                          "lengths; needs a model with a forward_packed method)")
     run.add_argument("--sampler", dest="sampler", choices=("dual", "equal"), action=deprecated_flag("--policy"))
     run.add_argument("--calibration", default=None,
                      help="calibration.json or a built-in name (default: a quick calibration with the run's own step)")

@@ -50,8 +50,8 @@ from adaptiveload.train.data import Batch, LatentDataset, SampleFiles, collate
 from adaptiveload.train.distributed import DistContext
 from adaptiveload.train.loop import (LoopOptions, RunState, StepFailed, compiler_hint, quiet_profiler, train_steps,
                                      warm_up)
-from adaptiveload.train.planning import (CALIBRATION_FILE, CalibrationFailed, load_plan, make_sampler,
-                                         quick_calibration, resolve_plan, saved_calibration,
+from adaptiveload.train.planning import (CALIBRATION_FILE, CalibrationFailed, check_model_runs_policy, load_plan,
+                                         make_sampler, quick_calibration, resolve_plan, saved_calibration,
                                          warn_if_calibrated_otherwise, warn_if_poor_fit)
 from adaptiveload.train.results import ResultsFile, RunResult, fusion_summary
 from adaptiveload.train.setup import (FILE_WORKERS, ModelSource, bucket_shapes, build_step, device_description,
@@ -322,6 +322,7 @@ def run_job(cfg: JobConfig, ctx: DistContext) -> dict:
     models = ModelSource(preset=cfg.preset, factory=cfg.model, num_layers=cfg.num_layers, patch_size=cfg.patch_size,
                          seed=cfg.seed)
     spec = models.spec()  # the model's patch: the corpus's token geometry
+    check_model_runs_policy(cfg.policy, models.first(), models.name)
     corpus, downscale = load_corpus(cfg.manifest, cfg.samples, cfg.seed, cfg.downscale, ctx.device,
                                     vae_stride=cfg.vae_stride, patch_size=spec.patch_size)
     plan = load_plan(cfg.plan, corpus, ctx, downscale) if cfg.plan else None

@@ -66,6 +66,19 @@ def quick_calibration(step, spec, shapes: np.ndarray, patch_size, ctx: DistConte
     return ctx.broadcast_object(calibration)
 
 
+def check_model_runs_policy(policy: str, model, name: str) -> None:
+    """Refuse a batching policy the model cannot train: ``packed`` puts samples of different lengths
+    into one sequence, which needs the model's ``forward_packed`` method.
+
+    Raises:
+        ValueError: one line naming the policy, the method and the model.
+    """
+    if policy == "packed" and not callable(getattr(model, "forward_packed", None)):
+        raise ValueError(f"--policy packed needs a model with a forward_packed method (it runs a pack of samples of "
+                         f"different lengths as one sequence); {name} ({type(model).__name__}) has none: use --policy "
+                         "dual, cost_grouped or equal_token")
+
+
 def warn_if_calibrated_otherwise(calibration: Calibration, settings: dict) -> None:
     """Warn when a loaded calibration measured another model, depth, checkpointing or patch size than
     this run (its cost and memory models, hence the plan, may not hold). Only calibrations written by

@@ -173,12 +173,16 @@ class ModelSource:
         return load_model(preset=self.preset, factory=self.factory, num_layers=self.num_layers,
                           patch_size=self.patch_size if self.factory is None else None)
 
-    def spec(self) -> InputSpec:
-        """The model's :class:`InputSpec` (its patch size: the token geometry), from a first build
-        that :meth:`build` hands out next (a factory is called once for both)."""
+    def first(self) -> nn.Module:
+        """The model :meth:`build` hands out next, built now if need be (a factory is called once
+        for both)."""
         if self._first is None:
             self._first = self._load()
-        spec = InputSpec.from_model(self._first)
+        return self._first
+
+    def spec(self) -> InputSpec:
+        """The model's :class:`InputSpec` (its patch size: the token geometry), from :meth:`first`."""
+        spec = InputSpec.from_model(self.first())
         if self.factory is not None and self.patch_size is not None and tuple(self.patch_size) != spec.patch_size:
             logger.warning("--patch-size %s ignored: the model's config.patch_size %s is its patch",
                            ",".join(map(str, self.patch_size)), ",".join(map(str, spec.patch_size)))

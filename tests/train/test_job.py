@@ -341,3 +341,16 @@ def test_ltx_geometry_in_train_and_calibrate(tmp_path, run_cli):
     assert sorted((p["seq_len"], tuple(p["latent_shape"])) for p in points) == [
         (6, (1, 2, 3)), (32, (2, 4, 4)), (72, (3, 4, 6))]
 
+
+def test_policy_packed_needs_a_forward_packed_method(monkeypatch, capsys, tmp_path):
+    """`train --policy packed` stops before any calibration or step: exit 2 and one line naming the
+    method the model lacks."""
+    from adaptiveload.cli import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the job would set this process's torch threads otherwise
+    assert main(["train", "--policy", "packed", "--quiet", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err == ("adaptiveload train: error: --policy packed needs a model with a forward_packed method (it runs a "
+                   "pack of samples of different lengths as one sequence); tiny (WanDiT) has none: use --policy "
+                   "dual, cost_grouped or equal_token\n")
+    assert not (tmp_path / "o").exists()  # nothing ran, nothing written
