@@ -26,7 +26,7 @@ import torch
 
 from adaptiveload.train.data import synthetic_batch
 from adaptiveload.train.distributed import DistContext
-from adaptiveload.train.setup import build_step
+from adaptiveload.train.setup import ModelSource, build_step
 from adaptiveload.train.step import NonFiniteStep, StepConfig
 from results_file import run_context, write_json_and_markdown
 
@@ -55,10 +55,10 @@ def shape_arg(text: str) -> tuple[int, tuple[int, int, int]]:
 
 def profile_backend(args, backend: str, device: torch.device) -> dict:
     """Checks, step times and the kernel-time profile of one backend (module docstring)."""
-    step, spec, _ = build_step(DistContext(device=device), preset=args.preset, factory=None,
-                               num_layers=args.num_layers,
+    models = ModelSource(preset=args.preset, factory=None, num_layers=args.num_layers, seed=args.seed)
+    step, spec, _ = build_step(DistContext(device=device), models=models,
                                step_config=StepConfig(backend=backend, inner="inductor", learning_rate=1e-4),
-                               activation_checkpointing="off", max_seq_len=0, seed=args.seed)
+                               activation_checkpointing="off", max_seq_len=0)
     checks = []
     with step.frozen_weights():
         for b, shape in args.check:
