@@ -341,7 +341,7 @@ class _Work:
 def _positive(name: str, v: np.ndarray) -> None:
     bad = np.flatnonzero(~(np.isfinite(v) & (v > 0)))
     if bad.size:
-        raise ValueError(f"{name}[{int(bad[0])}] = {v[bad[0]]!r}: must be a positive finite number")
+        raise ValueError(f"{name}[{int(bad[0])}] = {float(v[bad[0]])}: must be a positive finite number")
 
 
 def _validate_points(batch_sizes, seq_lens, step_times) -> tuple[_Work, np.ndarray]:

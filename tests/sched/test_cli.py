@@ -218,3 +218,77 @@ def test_int_triple_rejects_bad_values(text, message):
     from adaptiveload.cliargs import int_triple
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
         int_triple(text)
+
+
+def test_vae_stride_and_patch_size_reach_the_plan(tmp_path, capsys):
+    """An LTX-Video-like corpus (VAE 8x32x32, patch 1x1x1) gets its own token counts, recorded in the plan."""
+    path = tmp_path / "m.csv"
+    path.write_text("num_frames,height,width\n1,480,832\n81,480,832\n")
+    out = tmp_path / "plan.json"
+    assert _run(["plan", "--manifest", str(path), "--calibration", "anchors-wan1.3b", "--world-size", "1",
+                 "--m-mem", "20000", "--vae-stride", "8,32,32", "--patch-size", "1,1,1", "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    assert (plan.vae_stride, plan.patch_size) == ((8, 32, 32), (1, 1, 1))
+    assert {tuple(r["key"]): r["seq_len"] for r in plan.buckets} == {(1, 15, 26): 390, (11, 15, 26): 4290}
+    # the same rows in Wan's units are other buckets
+    assert _run(["plan", "--manifest", str(path), "--calibration", "anchors-wan1.3b", "--world-size", "1",
+                 "--m-mem", "40000", "--out", str(out)]) == 0
+    assert [r["seq_len"] for r in Plan.load(out).buckets] == [1560, 32760] and Plan.load(out).vae_stride == (4, 8, 8)
+    # CogVideoX 1.5's 2x2x2 patches: latent frames floored to an even number, half as many tokens per frame
+    path.write_text("num_frames,height,width\n17,480,832\n81,480,832\n81,480,832\n")
+    assert _run(["plan", "--manifest", str(path), "--calibration", "anchors-wan1.3b", "--world-size", "1",
+                 "--m-mem", "40000", "--patch-size", "2,2,2", "--policy", "packed", "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    assert {tuple(r["key"]): r["seq_len"] for r in plan.buckets} == {(4, 60, 104): 2 * 30 * 52, (20, 60, 104): 10 * 30 * 52}
+    assert plan.patch_size == (2, 2, 2)
+    capsys.readouterr()
+
+
+def test_plan_says_which_memory_budget_it_assumed(capsys):
+    base = ["plan", "--calibration", "anchors-wan1.3b", "--world-size", "8", "--samples", "3000"]
+    assert _run(base) == 0
+    captured = capsys.readouterr()
+    assert "memory budget: 140.4 GiB (from calibration device NVIDIA H200); at most 118,040 tokens per batch" in captured.out
+    assert captured.err.startswith("adaptiveload: warning: --calibration anchors-wan1.3b is a built-in calibration "
+                                   "measured on an NVIDIA H200: the plan assumes its 140.4 GiB")
+    assert captured.err.count("\n") == 1 and "--memory-budget-gb (e.g. 80 for an 80 GB GPU)" in captured.err
+    assert _run([*base, "--memory-budget-gb", "80", "--drop-oversized"]) == 0
+    captured = capsys.readouterr()
+    assert "memory budget: 80.0 GiB (from --memory-budget-gb)" in captured.out and captured.err == ""
+    assert _run([*base, "--m-mem", "151200"]) == 0
+    captured = capsys.readouterr()
+    assert "memory budget: 178.3 GiB (from --m-mem 151,200 tokens: the memory model's peak / its safety factor)" \
+        in captured.out and captured.err == ""
+
+
+def test_plan_names_the_policy_that_would_gain(tmp_path, capsys):
+    """At the H200's budget the dual rule is the equal-token rule on the reference mix (1.00x): plan
+    says which policy predicts the most instead."""
+    argv = ["plan", "--calibration", "anchors-wan1.3b", "--world-size", "2", "--samples", "3000", "--memory-budget-gb",
+            "140.4"]
+    assert _run(argv) == 0
+    text = capsys.readouterr().out
+    assert "speedup 1.00x" in text
+    speedups = {}
+    for policy in ("cost_grouped", "packed"):
+        out = tmp_path / f"{policy}.json"
+        assert _run([*argv, "--policy", policy, "--out", str(out)]) == 0
+        speedups[policy] = Plan.load(out).predicted
+    best = max(speedups, key=lambda p: speedups[p]["speedup"])
+    assert (f"policy dual predicts no gain over equal-token (1.00x); policy {best} predicts "
+            f"{speedups[best]['speedup']:.2f}x ({speedups[best]['tokens_per_s']:,.0f} tokens/s): --policy {best}") in text
+
+
+def test_plan_and_simulate_packed_end_to_end(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert _run([*PLAN, "--policy", "packed", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "policy packed: M_mem = 151,200 tokens per rank (pack)" in text and "sample ms" in text
+    plan = Plan.load(out)
+    assert plan.policy == "packed" and plan.step_budget_s > 0 and plan.predicted["speedup"] > 1.0
+    sim = tmp_path / "sim.json"
+    assert _run([*SIM, "--samples", "3000", "--policy", "packed", "dual", "--out", str(sim)]) == 0
+    rows = {r["policy"]: r for r in json.loads(sim.read_text())}
+    assert list(rows) == ["packed", "dual"]
+    assert rows["packed"]["idle_fraction_plan"] < rows["dual"]["idle_fraction_plan"]
+    assert rows["packed"]["composition_ks"] < rows["dual"]["composition_ks"]

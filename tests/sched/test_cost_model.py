@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from adaptiveload.sched import fit_cost_model
+from adaptiveload.sched import fit_cost_model, fit_packed_cost_model
 from adaptiveload.sched.cost_model import CostModel, PowerCostModel, QuadraticCostModel
 
 
@@ -220,3 +220,71 @@ def test_warnings_round_trip_and_old_json_loads():
     del d["fit"]["warnings"]  # written before warnings existed
     assert CostModel.from_json(d).fit.warnings == []
     assert "\n" not in m.describe()
+
+
+def _packs(rng, count):
+    """Packs of 1 to 8 samples drawn from the reference mix's sequence lengths (single images too,
+    so the intercept shows)."""
+    lengths = np.array([1560, 3600, 7800, 14040, 20280, 26520, 32760, 46800, 61200, 75600])
+    return [rng.choice(lengths, size=rng.integers(1, 9)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_packed_fit_recovers_c0_c1_c2_from_noisy_packs(seed):
+    rng = np.random.default_rng(seed)
+    packs = _packs(rng, 80)
+    c0, c1, c2 = 18.75e-3, 7.16e-6, 3.957e-10
+    exact = np.array([c0 + c1 * p.sum() + c2 * np.sum(p.astype(float) ** 2) for p in packs])  # sum of squares
+    t = exact * (1 + 0.02 * rng.standard_normal(exact.size))
+    m = fit_packed_cost_model(packs, t, kind="quadratic")
+    assert isinstance(m, QuadraticCostModel)
+    np.testing.assert_allclose([m.c1, m.c2], [c1, c2], rtol=0.08)
+    assert m.c0 == pytest.approx(c0, rel=0.25)
+    assert m.r2 > 0.99 and m.fit.n_points == 80 and 0.005 < m.fit.cv_rel_rmse < 0.05
+    # auto keeps the quadratic family on these packs
+    assert fit_packed_cost_model(packs, t).kind == "quadratic"
+
+
+def test_packed_fit_exact_data_and_the_square_of_the_sum_is_wrong():
+    packs = _packs(np.random.default_rng(7), 30)
+    t = [0.02 + 7e-6 * p.sum() + 4e-10 * np.sum(p.astype(float) ** 2) for p in packs]
+    m = fit_packed_cost_model(packs, t, kind="quadratic")
+    np.testing.assert_allclose([m.c0, m.c1, m.c2], [0.02, 7e-6, 4e-10], rtol=1e-6)
+    np.testing.assert_allclose(m.predict_packs(np.concatenate(packs), [len(p) for p in packs]), t, rtol=1e-6)
+    # the same times as if attention ran over the whole pack (square of the sum) fit worse
+    t_square = [0.02 + 7e-6 * p.sum() + 4e-10 * float(p.sum()) ** 2 for p in packs]
+    assert fit_packed_cost_model(packs, t_square, kind="quadratic").r2 < 0.999
+
+
+@pytest.mark.parametrize("kind", ["quadratic", "power", "linear"])
+def test_a_batch_is_a_pack_of_equal_samples(kind):
+    """fit_cost_model on (B, S) points and fit_packed_cost_model on packs of B samples of S agree."""
+    rng = np.random.default_rng(3)
+    b, s = _grid()
+    t = (0.03 + 2.7e-7 * b * s**1.41) * (1 + 0.03 * rng.standard_normal(s.size))
+    batches = fit_cost_model(b, s, t, kind=kind)
+    packs = fit_packed_cost_model([np.full(bb, ss) for bb, ss in zip(b, s)], t, kind=kind)
+    np.testing.assert_allclose(list(packs.params().values()), list(batches.params().values()), rtol=1e-6)
+    assert packs.fit.r2 == pytest.approx(batches.fit.r2, rel=1e-9)
+
+
+def test_predict_packs_by_hand():
+    q = QuadraticCostModel(0.01, 1e-6, 1e-10)
+    got = q.predict_packs([1000, 2000, 4000, 500], [3, 0, 1])
+    assert got.tolist() == pytest.approx([0.01 + 1e-6 * 7000 + 1e-10 * (1e6 + 4e6 + 16e6), 0.01, 0.01 + 1e-6 * 500 + 1e-10 * 25e4])
+    p = PowerCostModel(0.03, 1e-6, 1.5)
+    assert p.predict_packs([100, 400], [2]).tolist() == pytest.approx([0.03 + 1e-6 * (1000 + 8000)])
+    with pytest.raises(ValueError, match="pack_sizes must be >= 0 and sum to the 2 sequence lengths, got sum 3"):
+        q.predict_packs([1, 2], [1, 2])
+
+
+@pytest.mark.parametrize("packs, times, match", [
+    ([[100], [200]], [1, 1, 1], "packs and step_times must have equal lengths, got 2, 3"),
+    ([[100], [], [300]], [1, 1, 1], r"packs\[1\] is empty"),
+    ([[100], [200, -5], [300]], [1, 1, 1], r"packs\[1\]\[1\] = -5.0: must be a positive finite number"),
+    ([[100], [200], [300]], [1, 0, 1], r"step_times\[1\] = 0.0"),
+    ([[100], [200]], [1, 1], "at least 3"),
+])
+def test_packed_fit_errors(packs, times, match):
+    with pytest.raises(ValueError, match=match):
+        fit_packed_cost_model(packs, times)

@@ -8,7 +8,8 @@ import pytest
 
 from adaptiveload.sched import Calibration, DualConstraintBucketSampler, Manifest, Plan, make_plan, reference_mix
 from adaptiveload.sched.cost_model import QuadraticCostModel
-from adaptiveload.sched.plan import batch_mix, predicted_throughput, rule_batch_sizes
+from adaptiveload.sched.plan import (PACKED_BUDGETS, PACKED_TIE, batch_mix, packed_throughput, predicted_throughput,
+                                     rule_batch_sizes)
 from adaptiveload.sched.presets import load_calibration
 
 COST = QuadraticCostModel(18.75e-3, 7.16e-6, 3.957e-10)
@@ -121,7 +122,7 @@ def test_bad_arguments():
     m = Manifest.from_seq_lens([100, 200])
     with pytest.raises(ValueError, match="Invalid world_size 0"):
         make_plan(m, _calibration(), 0, m_mem=1000)
-    with pytest.raises(ValueError, match="unknown policy 'greedy'; choose one of equal_token, dual, cost_grouped"):
+    with pytest.raises(ValueError, match="unknown policy 'greedy'; choose one of equal_token, dual, cost_grouped, packed"):
         make_plan(m, _calibration(), 1, m_mem=1000, policy="greedy")
     with pytest.raises(ValueError, match=r"every bucket .* limit of 50 tokens \(given; shortest S = 100\)"):
         make_plan(m, _calibration(), 1, m_mem=50, drop_oversized=True)
@@ -158,3 +159,56 @@ def test_old_policy_names_in_make_plan_and_plan_files(old, new, order, tmp_path)
     path.write_text(json.dumps({**plan.to_json(), "policy": "greedy"}))
     with pytest.raises(ValueError, match=r"old\.json: field 'policy': unknown policy 'greedy'"):
         Plan.load(path)
+
+
+def test_packed_plan_budget_rows_and_prediction():
+    """Policy packed: M_mem is the memory limit, the step budget the search's, the rows give each
+    bucket's per-sample time and share of the work, and the prediction is the packer's own epoch."""
+    m = reference_mix(20_000, seed=2)
+    plan = make_plan(m, _calibration(), 8, m_mem=151200, policy="packed")
+    assert (plan.policy, plan.m_mem, plan.m_mem_limit) == ("packed", 151200, 151200)
+    seq = np.array([r["seq_len"] for r in plan.buckets])
+    counts = np.array([r["num_samples"] for r in plan.buckets])
+    assert [r["sample_time_s"] for r in plan.buckets] == pytest.approx((COST.c1 * seq + COST.c2 * seq**2).tolist())
+    work = counts * (COST.c1 * seq + COST.c2 * seq**2)
+    assert [r["share_of_work"] for r in plan.buckets] == pytest.approx((work / work.sum()).tolist())
+    assert "batch_size" not in plan.buckets[0] and [r["equal_token_batch_size"] for r in plan.buckets] == (151200 // seq).tolist()
+    # the prediction is the packing of this corpus (under PACKED_PLAN_SAMPLES samples) at the chosen budget
+    again = packed_throughput(COST, m.latent_shapes, 151200, plan.step_budget_s, 8)
+    assert plan.predicted["tokens_per_s"] == pytest.approx(again["tokens_per_s"], rel=1e-12)
+    assert plan.predicted["idle"] < 0.03 and plan.predicted["speedup"] > 1.4
+    # no candidate budget of the search predicts more than 1% more tokens/s
+    longest, full = COST.per_sample(seq.max()), 151200 * work.sum() / (counts * seq).sum()
+    for budget in COST.c0 + np.geomspace(0.6 * min(longest, full), 1.2 * max(longest, full), PACKED_BUDGETS):
+        assert packed_throughput(COST, m.latent_shapes, 151200, float(budget), 8)["tokens_per_s"] <= \
+            plan.predicted["tokens_per_s"] / (1 - PACKED_TIE) * (1 + 1e-12)
+    text = plan.format_table()
+    assert "policy packed" in text and "sample ms" in text and "work %" in text
+
+
+def test_plan_records_units_and_memory_source(tmp_path):
+    cal = load_calibration("anchors-wan1.3b")
+    ltx = Manifest.from_pixels([1, 81], [480, 480], [832, 832], vae_stride=(8, 32, 32), patch_size=(1, 1, 1))
+    plan = make_plan(ltx, cal, 1, policy="equal_token")
+    assert (plan.vae_stride, plan.patch_size) == ((8, 32, 32), (1, 1, 1))
+    assert [r["seq_len"] for r in plan.buckets] == [15 * 26, 11 * 15 * 26]  # (81 - 1) // 8 + 1 = 11 latent frames
+    # the memory budget: the calibration's device, a given budget, or the peak a given m_mem needs
+    device = 143771 * 2**20
+    assert (plan.memory_source, plan.memory_budget_gib) == ("device", pytest.approx(device / GIB))
+    given = make_plan(ltx, cal, 1, memory_budget_bytes=48 * GIB)
+    assert (given.memory_source, given.memory_budget_gib) == ("memory_budget", pytest.approx(48.0))
+    tokens = make_plan(ltx, cal, 1, m_mem=100_000)
+    peak = cal.memory_model.m0 + cal.memory_model.m1 * 100_000
+    assert (tokens.memory_source, tokens.memory_budget_gib) == ("m_mem", pytest.approx(peak / 0.9 / GIB))
+    no_device = dataclasses.replace(cal, settings={})
+    assert make_plan(ltx, no_device, 1).memory_source == "largest_batch"
+    assert make_plan(ltx, no_device, 1).memory_budget_gib is None
+    # saved and loaded; a plan file from before these fields loads with Wan's VAE stride
+    path = tmp_path / "plan.json"
+    tokens.save(path)
+    back = Plan.load(path)
+    assert (back.vae_stride, back.memory_source, back.memory_budget_gib) == ((8, 32, 32), "m_mem", tokens.memory_budget_gib)
+    old = {k: v for k, v in tokens.to_json().items() if k not in ("vae_stride", "memory_source", "memory_budget_gib")}
+    path.write_text(json.dumps(old))
+    back = Plan.load(path)
+    assert (back.vae_stride, back.memory_source, back.memory_budget_gib) == ((4, 8, 8), "", None)

@@ -39,6 +39,17 @@ def test_reference_mix_targets_at_w8():
     assert grouped["cv"] <= 0.07 and grouped["tokens_per_s"] >= 1.5 * eq["tokens_per_s"]
     # the noise costs something: truth throughput is below the plan model's for the balanced policies
     assert grouped["tokens_per_s"] < res["cost_grouped"].plan_metrics["tokens_per_s"]
+    # packed: balanced on the plan model, at the noise floor under the truth, as fast as cost_grouped,
+    # with steps of random samples (cost_grouped's are not)
+    packed = res["packed"]
+    assert packed.plan_metrics["cv"] <= 0.03 and packed.plan_metrics["idle"] <= 0.03
+    assert packed.truth_metrics["cv"] <= packed.noise_floor_cv + 0.01
+    assert packed.truth_metrics["idle"] <= packed.noise_floor_idle + 0.01
+    assert packed.truth_metrics["tokens_per_s"] >= 0.98 * grouped["tokens_per_s"]
+    assert packed.truth_metrics["tokens_per_s"] >= 1.5 * eq["tokens_per_s"]
+    assert packed.composition_ks <= 1.1 * res["dual"].composition_ks < res["cost_grouped"].composition_ks
+    assert abs(packed.composition_lag1_corr) <= 0.05
+    assert len({(r.noise_floor_cv, r.noise_floor_idle) for r in res.values()}) == 1  # one floor per W
     text = format_results(list(res.values()))
     assert "cost_grouped" in text and "vs eq-tok" in text
 
