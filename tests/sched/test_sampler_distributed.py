@@ -1,4 +1,4 @@
-"""DualConstraintBucketSampler under real torch.distributed (gloo, CPU, spawned processes)."""
+"""DualConstraintBucketSampler and PackingSampler under real torch.distributed (gloo, CPU, spawned processes)."""
 import hashlib
 import socket
 
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from adaptiveload.sched import DualConstraintBucketSampler, reference_mix
+from adaptiveload.sched import DualConstraintBucketSampler, PackingSampler, reference_mix
 from adaptiveload.sched.cost_model import QuadraticCostModel
 
 NUM_SAMPLES = 4000
@@ -25,6 +25,7 @@ def _worker(rank, world, port):
     try:
         for policy in ("random", "cost_grouped"):
             _check_policy(world, rank, policy)
+        _check_packed(world, rank)
     finally:
         dist.destroy_process_group()
 
@@ -67,7 +68,35 @@ def _check_policy(world, rank, policy):
     assert int(total.item()) == counts.sum()
 
 
+def _check_packed(world, rank):
+    shapes = reference_mix(NUM_SAMPLES, seed=9).latent_shapes
+    sampler = PackingSampler(shapes, 151200, 2.85, QuadraticCostModel(0.019, 7.2e-6, 4e-10), seed=5)
+    assert (sampler.num_replicas, sampler.rank) == (world, rank)
+    sampler.set_epoch(2)
+    plan = sampler.epoch_plan()
+    digest = hashlib.sha1(plan.step_packs.tobytes() + plan.order.tobytes()).hexdigest()
+    packs = list(sampler)
+    weights = [sampler.loss_weight(step) for step in range(len(packs))]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (digest, packs, weights))
+    assert len({d for d, _, _ in gathered}) == 1, "ranks built different packings"
+    assert len({len(p) for _, p, _ in gathered}) == 1, "unequal step counts per rank"
+    counts = np.zeros(NUM_SAMPLES, dtype=np.int64)
+    for _, rank_packs, rank_weights in gathered:
+        for pack, weight in zip(rank_packs, rank_weights):
+            if weight:
+                np.add.at(counts, pack, 1)
+    assert counts.tolist() == [1] * NUM_SAMPLES
+    # a collective per step: every rank reaches the same number of all_reduce calls; padding counts 0
+    total = torch.zeros(1)
+    for pack, weight in zip(packs, weights):
+        t = torch.tensor([float(len(pack)) * weight])
+        dist.all_reduce(t)
+        total += t
+    assert int(total.item()) == NUM_SAMPLES
+
+
 @pytest.mark.slow  # spawns 3 processes: ~20 s on 2 cores
 def test_all_ranks_agree_with_exact_coverage():
-    # one process group of 3 ranks (a world size that divides nothing evenly) checks both policies
+    # one process group of 3 ranks (a world size that divides nothing evenly) checks both step orders and packing
     mp.spawn(_worker, args=(3, _free_port()), nprocs=3, join=True)
