@@ -24,7 +24,7 @@ from adaptiveload.sched.memory_model import MemoryModel
 
 _GIB = 2**30
 # (B, S, step ms, peak GiB) of the five stored points.
-_ANCHORS_POINTS = (
+_WAN_H200_POINTS = (
     (16, 1560, 213.8, 30.8),
     (8, 4680, 362.8, 43.8),
     (4, 9360, 428.0, 43.6),
@@ -32,8 +32,8 @@ _ANCHORS_POINTS = (
     (1, 32760, 678.6, 38.4),
 )
 # latent (T, H, W) of each point's sample: 480x832 at 1, 9, 21, 45 and 81 frames
-_ANCHORS_LATENT = {1560: [1, 60, 104], 4680: [3, 60, 104], 9360: [6, 60, 104], 18720: [12, 60, 104], 32760: [21, 60, 104]}
-_ANCHORS_SETTINGS = {
+_WAN_H200_LATENT = {1560: [1, 60, 104], 4680: [3, 60, 104], 9360: [6, 60, 104], 18720: [12, 60, 104], 32760: [21, 60, 104]}
+_WAN_H200_SETTINGS = {
     "model": "Wan 2.1 1.3B-shaped DiT (diffusers WanTransformer3DModel, random init, 10 of 30 layers)",
     "dtype": "bfloat16",
     "compile": "eager",
@@ -45,11 +45,11 @@ _ANCHORS_SETTINGS = {
 }
 
 
-def _anchors(kind: str) -> Calibration:
+def _wan_h200(kind: str) -> Calibration:
     points = [
-        {"batch_size": b, "seq_len": s, "latent_shape": _ANCHORS_LATENT[s], "status": "ok",
+        {"batch_size": b, "seq_len": s, "latent_shape": _WAN_H200_LATENT[s], "status": "ok",
          "step_time_s": ms / 1e3, "peak_memory_bytes": int(gib * _GIB)}
-        for b, s, ms, gib in _ANCHORS_POINTS
+        for b, s, ms, gib in _WAN_H200_POINTS
     ]
     if kind == "quadratic":
         cost = QuadraticCostModel(18.75e-3, 7.16e-6, 3.957e-10, fit=FitStats(15, 0.998, float("nan"), float("nan")))
@@ -57,12 +57,12 @@ def _anchors(kind: str) -> Calibration:
         cost = PowerCostModel(29.3e-3, 2.706e-7, 1.41, fit=FitStats(15, 0.987, float("nan"), float("nan"), {"p": 0.04}))
     memory = MemoryModel.fit([p["batch_size"] for p in points], [p["seq_len"] for p in points],
                              [p["peak_memory_bytes"] for p in points])
-    return Calibration(points, cost, memory, dict(_ANCHORS_SETTINGS), "NVIDIA H200", "2.11.0+cu130", "2026-11-30")
+    return Calibration(points, cost, memory, dict(_WAN_H200_SETTINGS), "NVIDIA H200", "2.11.0+cu130", "2026-11-30")
 
 
 PRESETS = {
-    "anchors-wan1.3b": lambda: _anchors("quadratic"),
-    "anchors-wan1.3b-power": lambda: _anchors("power"),
+    "anchors-wan1.3b": lambda: _wan_h200("quadratic"),
+    "anchors-wan1.3b-power": lambda: _wan_h200("power"),
 }
 
 
