@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One lent-GPU session for the fused op (see /work/.library/device): install, build the kernels,
+# One lent-GPU session for the fused ops (see /work/.library/device): install, build the kernels,
 # then the GPU tests and the sanitizer (on the second GPU, alongside the benchmark on the first; one
 # after the other on a one-GPU machine), writing logs and results under $OUT. Stages, run in this order:
 #   build      adaptiveload build (always done first when any other stage is given)
 #   tests      pytest -m cuda tests/ops (TESTS_K: a pytest -k expression for a subset) on GPU 1, in the
 #              background while the benchmark runs (first, on GPU 0, where there is one GPU)
-#   sanitize   benchmarks/sanitize.sh after the tests, on the same GPU
+#   sanitize   benchmarks/sanitize.sh after the tests, on the same GPU (SANITIZE_OPS: which ops)
 #   sweep, ring, tail, store, wide, host: benchmarks/kernel_stages.py <stage> on GPU 0 -> $OUT/<stage>.log
 #   sweep      op-only timings over thread caps (ADAPTIVELOAD_MAX_THREADS)
 #   bench-quick / bench   benchmarks/bench_adaln.py on GPU 0 (a subset / BENCH_ARGS, default the session
@@ -18,6 +18,8 @@
 #              alternated three times), a clone of x of the same size, per-token forward and backward rows
 #   wide       forward and backward at wide rows (fp32 x D = 3072 / 5120 / 8192, bf16 D = 8192 / 12288 /
 #              16384; x of 512 MiB; default settings)
+#   rms        benchmarks/bench_rms_norm.py (rms_norm_modulate: op times against SoL, determinism,
+#              accuracy against Inductor; RMS_ARGS) -> $OUT/rms_norm_${RMS_TAG:-h200}.json / .md
 #   ab         kernel_stages.py ${AB_STAGE:-ab} (ab: kernel timings; host: host time a call) for AB_BASE
 #              (a folder with another version's adaptiveload/ and csrc/, built into its own cache beside
 #              this one's) and for this checkout, in turn three times -> $OUT/ab.log
@@ -99,6 +101,11 @@ if want ab; then
     done
   done
   echo "ab: done"; cat "$OUT/ab.log"
+fi
+if want rms; then
+  timeout ${RMS_TIMEOUT:-240} python3 benchmarks/bench_rms_norm.py --out "$OUT" --tag "${RMS_TAG:-h200}" ${RMS_ARGS:-} \
+    >"$OUT/rms.log" 2>&1
+  echo "rms: exit $?"; cat "$OUT/rms.log"
 fi
 if want host; then
   timeout 240 python3 benchmarks/kernel_stages.py host >"$OUT/host.log" 2>&1

@@ -1,4 +1,4 @@
-"""Op-only timings of the fused LayerNorm -> modulate kernels, one GPU: the `sweep`, `ring`, `wide`,
+"""Op-only timings of the fused LayerNorm -> modulate kernels (adaln_modulate), one GPU: the `sweep`, `ring`, `wide`,
 `store`, `tail` and `host` stages of benchmarks/gpu_session.sh (which writes each stage's output to $OUT/<stage>.log).
 
   sweep  forward, one-pass and two-kernel backward at thread caps 256 / 512 (ADAPTIVELOAD_MAX_THREADS)
@@ -16,8 +16,9 @@
   tail   the forward by the share of rows left to short blocks after the wave (ADAPTIVELOAD_FWD_TAIL = 0, 5/8,
          10/8, 10/4, 15/8, 20/16), alternated three times at the store stage's shapes (once at D = 1024 / 2048 / 4096)
   host   host time of one forward+backward call per implementation (bench_adaln.host_time_us)
-  ab     forward and backward at N = 65536, B = 1 / 2, D = 1536 / 3072 / 5120, bf16 x, fp32 per-sample
-         modulation, default settings, one line a shape: run once for each of two builds, in turn
+  ab     forward and backward at the rows of bench_adaln.py's long preset (N = 65536, D = 1536 / 3072 /
+         5120; per-sample bf16 x with fp32 or bf16 modulation at B = 1 / 2, per-token bf16 at B = 1),
+         default settings, one line a shape: run once for each of two builds, in turn
          (gpu_session.sh ab), to compare kernel versions
 
 Times are triton.testing.do_bench medians (ms) and fractions of speed-of-light: bytes that must move
@@ -142,19 +143,30 @@ def stage_wide(tt, op, bwd, bw):
 
 
 def stage_ab(tt, op, bwd, bw):
+    """The rows of bench_adaln.py's long preset (N = 65536): per-sample bf16 x with bf16 and with fp32
+    (Wan) modulation at B = 1 / 2, per-token bf16 at B = 1; D = 1536 / 3072 / 5120."""
     import adaptiveload
 
     print(f"package: {os.path.dirname(adaptiveload.__file__)}", flush=True)
-    for B in (1, 2):
-        for D in (1536, 3072, 5120):
+    rows = [(B, D, kind) for kind in ("fp32-mod", "bf16") for B in (1, 2) for D in (1536, 3072, 5120)]
+    rows += [(1, D, "per-token") for D in (1536, 3072, 5120)]
+    for B, D, kind in rows:
+        if kind == "per-token":
+            x, s, h = per_token(B, 65536, D)
+        else:
             x, s, h = per_sample(B, 65536, D, torch.bfloat16)
-            dy = torch.randn_like(x)
-            y, mean, rstd = op(x, None, None, s, h, EPS, torch.bfloat16)
-            f = median_ms(tt, lambda: op(x, None, None, s, h, EPS, torch.bfloat16))
-            b = median_ms(tt, lambda: bwd(dy, x, None, None, s, h, mean, rstd))
-            sol_f, sol_b = sol_ms(x, 2, bw), sol_ms(x, 3, bw)
-            print(f"B={B} D={D}: fwd {f:.3f} ms ({100 * sol_f / f:.0f}% SoL), bwd {b:.3f} ms ({100 * sol_b / b:.0f}%)",
-                  flush=True)
+            if kind == "bf16":
+                s, h = s.to(torch.bfloat16), h.to(torch.bfloat16)
+        dy = torch.randn_like(x)
+        y, mean, rstd = op(x, None, None, s, h, EPS, torch.bfloat16)
+        f = median_ms(tt, lambda: op(x, None, None, s, h, EPS, torch.bfloat16))
+        b = median_ms(tt, lambda: bwd(dy, x, None, None, s, h, mean, rstd))
+        k = 2 if kind == "per-token" else 1
+        sol_f, sol_b = sol_ms(x, 2 * k, bw), sol_ms(x, 3 * k, bw)
+        print(f"B={B} D={D} {kind}: fwd {f:.4f} ms ({100 * sol_f / f:.1f}% SoL), bwd {b:.4f} ms "
+              f"({100 * sol_b / b:.1f}%)", flush=True)
+        del x, s, h, dy, y, mean, rstd
+        torch.cuda.empty_cache()
 
 
 def stage_store(tt, op, bwd, bw):

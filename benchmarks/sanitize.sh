@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# compute-sanitizer memcheck and racecheck over the fused op's kernels on a small set of shapes:
+# compute-sanitizer memcheck and racecheck over the fused ops' kernels on a small set of shapes:
 # aligned 16-byte path and scalar path (D not a multiple of 8, D = 1), per-sample / per-token /
 # shared / strided modulation, affine or not, fp32 / bf16 / fp16, both backward designs, a
-# partial last row tile. PyTorch's caching allocator is off so that every tensor is its own
-# allocation and an out-of-bounds access cannot land inside a neighbour.
-# Usage: benchmarks/sanitize.sh [LOGDIR]   (exit status non-zero when a tool reports an error)
+# partial last row tile; each case through adaln_modulate (LayerNorm) and rms_norm_modulate
+# (RMSNorm; scale-only in every third case), or only the ops named in SANITIZE_OPS ("adaln rms",
+# the default). PyTorch's caching allocator is off so that every tensor is its own allocation and an
+# out-of-bounds access cannot land inside a neighbour.
+# Usage: [SANITIZE_OPS=rms] benchmarks/sanitize.sh [LOGDIR]   (exit status non-zero when a tool reports an error)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOGDIR=${1:-${OUT:-/tmp}/sanitize}
@@ -19,6 +21,8 @@ import torch
 import adaptiveload  # noqa: F401
 
 op, bwd = torch.ops.adaptiveload.adaln_modulate, torch.ops.adaptiveload.adaln_modulate_backward
+rms, rms_bwd = torch.ops.adaptiveload.rms_norm_modulate, torch.ops.adaptiveload.rms_norm_modulate_backward
+ops = os.environ.get("SANITIZE_OPS", "adaln rms").split()
 g = torch.Generator(device="cuda").manual_seed(0)
 cases = [  # (B, N, D, x dtype, modulation dtype, layout, affine)
     (2, 37, 1536, torch.bfloat16, torch.float32, "strided", False),
@@ -59,10 +63,15 @@ for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
         scale, shift = torch.randn(2, B, 1, D, device="cuda", generator=g).to(mdt).unbind(0)
     w = torch.randn(D, device="cuda", generator=g).to(xdt) if affine else None
     b = torch.randn(D, device="cuda", generator=g).to(xdt) if affine else None
-    y, mean, rstd = op(x, w, b, scale, shift, 1e-6, xdt)
-    grads = bwd(torch.randn_like(y), x, w, b, scale, shift, mean, rstd)
+    if "adaln" in ops:
+        y, mean, rstd = op(x, w, b, scale, shift, 1e-6, xdt)
+        grads = bwd(torch.randn_like(y), x, w, b, scale, shift, mean, rstd)
+    if "rms" in ops:
+        h = None if i % 3 == 2 else shift
+        y, rstd = rms(x, w, scale, h, 1e-6, xdt)
+        grads = rms_bwd(torch.randn_like(y), x, w, scale, h, rstd)
     torch.cuda.synchronize()
-    print("ok", B, N, D, xdt, mdt, layout, affine, design, os.environ["ADAPTIVELOAD_FWD_STAGES"],
+    print("ok", ops, B, N, D, xdt, mdt, layout, affine, design, os.environ["ADAPTIVELOAD_FWD_STAGES"],
           os.environ["ADAPTIVELOAD_BWD_STAGES"], flush=True)
 PY
 status=0

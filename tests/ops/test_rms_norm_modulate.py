@@ -259,9 +259,9 @@ def kernels():
 @pytest.mark.parametrize("B, tokens, D", [(2, (5,), 8), (1, (7, 3), 130), (3, (64,), 1536), (2, (33,), 3072),
                                           (1, (9,), 5000), (2, (4,), 16384)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("scale_layout, shift_layout", [("per-sample", "per-sample"), ("per-sample", None),
-                                                        ("per-token", "per-token"), ("strided-per-sample", "shared"),
-                                                        ("strided-per-token", None), ("batch1-per-token", "per-sample")])
+@pytest.mark.parametrize("scale_layout, shift_layout", [("per-sample", None), ("per-token", "per-token"),
+                                                        ("strided-per-sample", "shared"), ("strided-per-token", None),
+                                                        ("batch1-per-token", "per-sample")])
 @pytest.mark.parametrize("weighted", [True, False])
 def test_kernels_match_float64_reference(kernels, B, tokens, D, dtype, scale_layout, shift_layout, weighted):
     check_against_float64((B, *tokens, D), dtype, scale_layout, shift_layout, weighted, "cuda", D)

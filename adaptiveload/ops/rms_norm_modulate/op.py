@@ -120,3 +120,25 @@ def _rms_norm_modulate_backward_fake(dy, x, weight, scale, shift, rstd):
 _lib.impl("rms_norm_modulate", _rms_norm_modulate_reference, "CompositeExplicitAutograd")
 _lib.impl("rms_norm_modulate_backward", _rms_norm_modulate_backward_reference, "CompositeExplicitAutograd")
 common.differentiable(_lib, "rms_norm_modulate", n_tensors=4)
+
+
+def _rms_norm_modulate_cuda(x, weight, scale, shift, eps, out_dtype):
+    common.validate(check_inputs, (x, weight, scale, shift), out_dtype, eps)
+    settings = common.forward_settings()
+    ops = common.kernel_module(x, (weight,), (scale, shift))
+    if ops is None:
+        return reference.forward(x, weight, scale, shift, eps, out_dtype)
+    return ops.rms_forward(x, weight, scale, shift, float(eps), out_dtype, *settings)
+
+
+def _rms_norm_modulate_backward_cuda(dy, x, weight, scale, shift, rstd):
+    common.validate(check_backward_inputs, (dy, x, weight, scale, shift, rstd))
+    settings = common.backward_settings()
+    ops = common.kernel_module(x, (weight,), (scale, shift), (rstd, dy))
+    if ops is None:
+        return common.grads_or_empty(reference.backward(dy, x, weight, scale, shift, rstd), x)
+    return ops.rms_backward(dy, x, weight, scale, shift, rstd, *settings)
+
+
+_lib.impl("rms_norm_modulate", _rms_norm_modulate_cuda, "CUDA")
+_lib.impl("rms_norm_modulate_backward", _rms_norm_modulate_backward_cuda, "CUDA")

@@ -1,5 +1,6 @@
-// Forward kernel of the fused LayerNorm -> modulate op: one launch reads x once and writes y in
-// the output dtype plus fp32 mean and rstd per row.
+// Forward kernel of the fused norm -> modulate ops (templates, on the norm type N: instantiated in
+// csrc/adaln_modulate/adaln_forward.cu and csrc/rms_norm_modulate/rms_norm_forward.cu): one launch
+// reads x once and writes y in the output dtype plus fp32 rstd (and, for LayerNorm, mean) per row.
 //
 // Grid: B * tiles blocks, one wave (blocks per SM from the occupancy calculator; more than one only
 // when B exceeds it), then the short blocks below; a block owns
@@ -13,9 +14,11 @@
 // tail_rows consecutive rows, launched after it, take the rest as SMs free up (KERNEL_NOTES v20).
 // A block of T threads covers one row at a time; thread t owns the 16-byte groups t, t + T, ...
 // (C of them), so the row stays in registers and the next row's x is loaded while the current
-// row is reduced. Statistics are two-pass in fp32 (mean, then the mean of squared deviations of
-// the values already in registers): no cancellation, no second read of x. (A one-barrier variant
-// merging per-thread statistics with Chan's update measured 1.5-2x slower: KERNEL_NOTES.md, v3.)
+// row is reduced. LayerNorm statistics are two-pass in fp32 (mean, then the mean of squared
+// deviations of the values already in registers): no cancellation, no second read of x. (A
+// one-barrier variant merging per-thread statistics with Chan's update measured 1.5-2x slower:
+// KERNEL_NOTES.md, v3.) RMSNorm has one reduction, the mean of squares, and so one barrier a row;
+// the ring's slot is released after it.
 //
 // RING (sm_90; aligned rows): rows come through a ring of a.stages slots in shared memory instead
 // of the register prefetch, filled by bulk copies that thread 0 issues a.stages rows ahead; the
@@ -26,14 +29,17 @@
 // registers; with the bulk store of y (a.store == 1, below) it holds the row's y until the copy
 // engine has stored it, and is refilled two rows later (rows fetched a.stages - 2 ahead). Same
 // arithmetic and rounding either way.
+#pragma once
+
 #include <type_traits>
 
-#include "adaln_modulate.cuh"
+#include "norm_modulate.cuh"
 
 namespace adaln {
 
-template <typename Tx, typename Tm, typename To, int C, bool PT, bool RING>
+template <Norm N, typename Tx, typename Tm, typename To, int C, bool PT, bool RING>
 __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64_t tiles, int64_t rows_per_tile) {
+  constexpr bool RMS = N == Norm::RMS;
   constexpr int VEC = 16 / sizeof(Tx);
   __shared__ float red[2 * 1 * 32];
   __shared__ __align__(8) uint64_t full[RING ? kMaxStages : 1];
@@ -158,37 +164,46 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
       }
     }
 
-    float sum[1] = {0.f};
-#pragma unroll
-    for (int c = 0; c < C; ++c)
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) sum[0] += xv[c][j];  // out-of-range elements are zero
-    block_sum<1>(sum, red, parity);
-    if constexpr (RING) {
-      if (bulk_y) {  // every thread has written the previous row's y into its slot (before the barrier)
-        if (tid == 0) {
-          if (k >= 1) {
-            bulk_store(y_row(k - 1), ring + slot_back(1) * stride, row_bytes);
-            bulk_commit();
+    // After the row's first barrier (every thread holds the row and its modulation in registers,
+    // and has written the previous row's y): the ring's bookkeeping.
+    auto after_first_barrier = [&]() {
+      if constexpr (RING) {
+        if (bulk_y) {  // every thread has written the previous row's y into its slot (before the barrier)
+          if (tid == 0) {
+            if (k >= 1) {
+              bulk_store(y_row(k - 1), ring + slot_back(1) * stride, row_bytes);
+              bulk_commit();
+            }
+            if (k >= 2 && k - 2 + S < count) {
+              bulk_wait_read<1>();  // the (k - 2)-th row's y has left its slot
+              fetch(slot_back(2), k - 2 + S);
+            }
           }
-          if (k >= 2 && k - 2 + S < count) {
-            bulk_wait_read<1>();  // the (k - 2)-th row's y has left its slot
-            fetch(slot_back(2), k - 2 + S);
-          }
+          cur.advance();
+        } else {
+          cur.release(k, count, fetch);  // every thread has read the slot
         }
-        cur.advance();
-      } else {
-        cur.release(k, count, fetch);  // every thread has read the slot
       }
+    };
+    float mean = 0.f;  // (RMSNorm: none)
+    if constexpr (!RMS) {
+      float sum[1] = {0.f};
+#pragma unroll
+      for (int c = 0; c < C; ++c)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) sum[0] += xv[c][j];  // out-of-range elements are zero
+      block_sum<1>(sum, red, parity);
+      after_first_barrier();
+      mean = sum[0] * inv_d;
     }
-    const float mean = sum[0] * inv_d;
 
     float sq[1] = {0.f};
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int col = (c * T + tid) * VEC;
-      if constexpr (RING) {  // aligned rows (D % VEC == 0): a group is wholly in the row or past its end
-        if (col < D) {
+      if constexpr (RING || RMS) {  // aligned rows (D % VEC == 0): a group is wholly in the row or past its
+                                    // end; RMSNorm: out-of-range elements are zero
+        if (RMS || col < D) {
 #pragma unroll
           for (int j = 0; j < VEC; ++j) sq[0] += (xv[c][j] - mean) * (xv[c][j] - mean);
         }
@@ -201,6 +216,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
       }
     }
     block_sum<1>(sq, red, parity);
+    if constexpr (RMS) after_first_barrier();
     const float rstd = rsqrtf(sq[0] * inv_d + a.eps);
 
     To* yrow = y + (b * a.N + n) * static_cast<int64_t>(D);
@@ -229,7 +245,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
     }
     if (bulk_y) async_proxy_fence();  // each writer: its y visible to the copy engine (after the next barrier)
     if (tid == 0) {
-      a.mean[b * a.N + n] = mean;
+      if constexpr (!RMS) a.mean[b * a.N + n] = mean;
       a.rstd[b * a.N + n] = rstd;
     }
   }
@@ -241,63 +257,6 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
       bulk_wait_read<0>();
     }
   }
-}
-
-RowShape row_shape(int D, DType xt, int max_threads) {
-  const int vec = xt == DType::F32 ? 4 : 8;
-  const int groups = (D + vec - 1) / vec;
-  const int cap = max_threads <= 0 ? kMaxThreads : (max_threads < 32 ? 32 : (max_threads > kMaxThreads ? kMaxThreads : max_threads));
-  int chunks = 1;
-  while ((groups + chunks - 1) / chunks > cap && chunks < kMaxChunks) chunks *= 2;
-  const int per = (groups + chunks - 1) / chunks;
-  return {(per + 31) / 32 * 32, chunks};
-}
-
-RowShape ring_row_shape(int D, DType xt, int max_threads, int ring_chunks) {
-  if (max_threads <= 0) {
-    for (int cap : {128, 256}) {
-      const RowShape s = row_shape(D, xt, cap);
-      if (s.chunks <= ring_chunks) return s;
-    }
-  }
-  return row_shape(D, xt, max_threads);
-}
-
-int max_features(DType) { return kMaxFeatures; }
-
-int num_sms() {
-  static int cached[64] = {0};  // per device ordinal; a benign race writes the same value
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64) dev = 0;
-  if (cached[dev] == 0) {
-    int n = 0;
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    cached[dev] = n > 0 ? n : 1;
-  }
-  return cached[dev];
-}
-
-int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_bytes, size_t auto_bytes,
-                const void* ring_kernel) {
-  if (requested == 0 || !eligible) return 0;
-  int dev = 0, major = 0, optin = 0;
-  cudaFuncAttributes attr{};
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
-      cudaFuncGetAttributes(&attr, ring_kernel) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  // the device and the code both sm_90+: a build for an older target (e.g. TORCH_CUDA_ARCH_LIST=8.0+PTX,
-  // JIT-compiled here) has no bulk copies in it
-  if (major < 9 || attr.ptxVersion < 90 || optin <= 1024) return 0;
-  const size_t room = static_cast<size_t>(optin) - 1024;  // static shared memory: reductions, barriers
-  int stages = requested > 0 ? requested : static_cast<int>(auto_bytes / slot_bytes);
-  stages = stages < 2 ? 2 : (stages > kMaxStages ? kMaxStages : stages);
-  while (stages >= 2 && fixed_bytes + stages * slot_bytes > room) --stages;
-  return stages >= 2 ? stages : 0;
 }
 
 // Chunks a thread up to which the forward takes the ring: ptxas sm_90 shows no spills up to 4 with
@@ -323,7 +282,7 @@ constexpr size_t kFwdTailRowBytes = 4 * 1024;
 constexpr int64_t kMaxGridX = 2147483647;  // blocks a 1-D grid may have
 constexpr int kFwdTailPctNarrow = 10, kFwdTailPctWide = 5;
 
-template <typename Tx, typename Tm, typename To>
+template <Norm N, typename Tx, typename Tm, typename To>
 void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
   const bool pt = a0.scale.sn != 0 || (a0.shift.ptr && a0.shift.sn != 0);
   const size_t slot = ring_stride(a0.D, sizeof(Tx)) + (pt ? mod_rows(a0).count() : 0) * ring_stride(a0.D, sizeof(Tm));
@@ -366,10 +325,10 @@ void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
         ran = stages > 0;
       };
       if constexpr (kC <= kRingChunksPerToken) {
-        if (pt) try_ring(fwd_kernel<Tx, Tm, To, kC, true, true>);
+        if (pt) try_ring(fwd_kernel<N, Tx, Tm, To, kC, true, true>);
       }
       if constexpr (kC <= kRingChunks) {
-        if (!pt) try_ring(fwd_kernel<Tx, Tm, To, kC, false, true>);
+        if (!pt) try_ring(fwd_kernel<N, Tx, Tm, To, kC, false, true>);
       }
     });
   }
@@ -377,25 +336,26 @@ void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
   const RowShape rs = row_shape(a0.D, a0.xt, a0.max_threads);
   with_chunk_count(rs.chunks, [&](auto chunks) {
     constexpr int kC = decltype(chunks)::value;
-    if (pt) go(fwd_kernel<Tx, Tm, To, kC, true, false>, rs, 0);
-    else go(fwd_kernel<Tx, Tm, To, kC, false, false>, rs, 0);
+    if (pt) go(fwd_kernel<N, Tx, Tm, To, kC, true, false>, rs, 0);
+    else go(fwd_kernel<N, Tx, Tm, To, kC, false, false>, rs, 0);
   });
 }
 
-template <typename Tx>
+template <Norm N, typename Tx>
 void fwd_x(const FwdArgs& a, cudaStream_t stream) {
   const bool m32 = a.mt == DType::F32, o32 = a.ot == DType::F32;
-  if (m32 && o32) fwd_typed<Tx, float, float>(a, stream);
-  else if (m32) fwd_typed<Tx, float, Tx>(a, stream);
-  else if (o32) fwd_typed<Tx, Tx, float>(a, stream);
-  else fwd_typed<Tx, Tx, Tx>(a, stream);
+  if (m32 && o32) fwd_typed<N, Tx, float, float>(a, stream);
+  else if (m32) fwd_typed<N, Tx, float, Tx>(a, stream);
+  else if (o32) fwd_typed<N, Tx, Tx, float>(a, stream);
+  else fwd_typed<N, Tx, Tx, Tx>(a, stream);
 }
 
-void launch_forward(const FwdArgs& a, cudaStream_t stream) {
+template <Norm N>
+void launch_forward_norm(const FwdArgs& a, cudaStream_t stream) {
   switch (a.xt) {
-    case DType::F32: fwd_typed<float, float, float>(a, stream); break;
-    case DType::BF16: fwd_x<__nv_bfloat16>(a, stream); break;
-    case DType::F16: fwd_x<__half>(a, stream); break;
+    case DType::F32: fwd_typed<N, float, float, float>(a, stream); break;
+    case DType::BF16: fwd_x<N, __nv_bfloat16>(a, stream); break;
+    case DType::F16: fwd_x<N, __half>(a, stream); break;
   }
 }
 

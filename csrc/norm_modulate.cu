@@ -1,31 +1,45 @@
-// Python bindings of the fused LayerNorm -> modulate kernels: validate every input at the boundary
-// (one TORCH_CHECK per constraint, naming the tensor and what was expected), allocate the outputs
-// and launch on the current stream. Called from adaptiveload/ops/adaln_modulate.py, which owns the
-// op's registrations (the public op's CUDA kernel is registered there, once).
+// Python bindings of the fused norm -> modulate kernels (forward / backward: LayerNorm, for
+// adaln_modulate; rms_forward / rms_backward: RMSNorm, for rms_norm_modulate): validate every input
+// at the boundary (one TORCH_CHECK per constraint, naming the tensor and what was expected), allocate
+// the outputs and launch on the current stream. Called from adaptiveload/ops/<op>/op.py, which owns
+// each op's registrations (the public op's CUDA kernel is registered there, once).
 #include <torch/extension.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 
-#include "adaln_modulate.cuh"
+#include "norm_modulate.cuh"
 
 namespace adaln {
 
-void backward_plan(BwdArgs& a) {
+namespace {
+
+template <Norm N>
+void run_backward_x(BwdArgs& a, bool launch, cudaStream_t stream) {
   switch (a.xt) {
-    case DType::F32: run_backward_f32(a, false, nullptr); break;
-    case DType::BF16: run_backward_bf16(a, false, nullptr); break;
-    default: run_backward_f16(a, false, nullptr); break;
+    case DType::F32: run_backward<N, float>(a, launch, stream); break;
+    case DType::BF16: run_backward<N, __nv_bfloat16>(a, launch, stream); break;
+    default: run_backward<N, __half>(a, launch, stream); break;
   }
 }
 
+void run_backward_norm(BwdArgs& a, bool launch, cudaStream_t stream) {
+  if (a.norm == Norm::RMS) run_backward_x<Norm::RMS>(a, launch, stream);
+  else run_backward_x<Norm::Layer>(a, launch, stream);
+}
+
+}  // namespace
+
+void backward_plan(BwdArgs& a) { run_backward_norm(a, false, nullptr); }
+
 void launch_backward(const BwdArgs& a, cudaStream_t stream) {
   BwdArgs args = a;
-  switch (a.xt) {
-    case DType::F32: run_backward_f32(args, true, stream); break;
-    case DType::BF16: run_backward_bf16(args, true, stream); break;
-    default: run_backward_f16(args, true, stream); break;
-  }
+  run_backward_norm(args, true, stream);
+}
+
+void launch_forward(const FwdArgs& a, cudaStream_t stream) {
+  if (a.norm == Norm::RMS) launch_forward_norm<Norm::RMS>(a, stream);
+  else launch_forward_norm<Norm::Layer>(a, stream);
 }
 
 namespace {
@@ -38,7 +52,7 @@ DType to_dtype(const Tensor& t, const char* name) {
     case at::kFloat: return DType::F32;
     case at::kBFloat16: return DType::BF16;
     case at::kHalf: return DType::F16;
-    default: TORCH_CHECK(false, "adaln_modulate: ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+    default: TORCH_CHECK(false, "norm_modulate kernels: ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
   }
   return DType::F32;
 }
@@ -47,15 +61,15 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 // x: [B, N, D] contiguous on CUDA.
 void check_x(const Tensor& x, const char* name) {
-  TORCH_CHECK(x.is_cuda(), "adaln_modulate: ", name, " must be a CUDA tensor, got device ", x.device());
-  TORCH_CHECK(x.dim() == 3, "adaln_modulate: ", name, " must be viewed as [B, N, D], got shape ", x.sizes());
-  TORCH_CHECK(x.is_contiguous(), "adaln_modulate: ", name, " must be contiguous, got strides ", x.strides());
-  TORCH_CHECK(x.size(0) > 0 && x.size(1) > 0 && x.size(2) > 0, "adaln_modulate: ", name,
+  TORCH_CHECK(x.is_cuda(), "norm_modulate kernels: ", name, " must be a CUDA tensor, got device ", x.device());
+  TORCH_CHECK(x.dim() == 3, "norm_modulate kernels: ", name, " must be viewed as [B, N, D], got shape ", x.sizes());
+  TORCH_CHECK(x.is_contiguous(), "norm_modulate kernels: ", name, " must be contiguous, got strides ", x.strides());
+  TORCH_CHECK(x.size(0) > 0 && x.size(1) > 0 && x.size(2) > 0, "norm_modulate kernels: ", name,
               " must not be empty, got shape ", x.sizes());
 }
 
 void check_same_device(const Tensor& t, const Tensor& x, const char* name) {
-  TORCH_CHECK(t.device() == x.device(), "adaln_modulate: ", name, " is on ", t.device(), " but x is on ", x.device());
+  TORCH_CHECK(t.device() == x.device(), "norm_modulate kernels: ", name, " is on ", t.device(), " but x is on ", x.device());
 }
 
 // weight/bias: fp32 contiguous [D].
@@ -63,8 +77,8 @@ const float* affine_ptr(const optional<Tensor>& t, const Tensor& x, const char* 
   if (!t.has_value()) return nullptr;
   const Tensor& v = *t;
   check_same_device(v, x, name);
-  TORCH_CHECK(v.scalar_type() == at::kFloat, "adaln_modulate: ", name, " must be float32 here, got ", v.scalar_type());
-  TORCH_CHECK(v.dim() == 1 && v.size(0) == x.size(2) && v.is_contiguous(), "adaln_modulate: ", name,
+  TORCH_CHECK(v.scalar_type() == at::kFloat, "norm_modulate kernels: ", name, " must be float32 here, got ", v.scalar_type());
+  TORCH_CHECK(v.dim() == 1 && v.size(0) == x.size(2) && v.is_contiguous(), "norm_modulate kernels: ", name,
               " must be a contiguous [", x.size(2), "] tensor, got shape ", v.sizes(), " strides ", v.strides());
   return v.data_ptr<float>();
 }
@@ -72,15 +86,15 @@ const float* affine_ptr(const optional<Tensor>& t, const Tensor& x, const char* 
 // Modulation: [Bm, Nm, D] with Bm in {1, B}, Nm in {1, N}, unit stride along D.
 ModView mod_view(const Tensor& m, const Tensor& x, const char* name) {
   check_same_device(m, x, name);
-  TORCH_CHECK(m.dim() == 3, "adaln_modulate: ", name, " must be viewed as [B or 1, N or 1, D], got shape ", m.sizes());
+  TORCH_CHECK(m.dim() == 3, "norm_modulate kernels: ", name, " must be viewed as [B or 1, N or 1, D], got shape ", m.sizes());
   const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
-  TORCH_CHECK(m.size(2) == D, "adaln_modulate: ", name, " has ", m.size(2), " features, x has ", D, " (shape ",
+  TORCH_CHECK(m.size(2) == D, "norm_modulate kernels: ", name, " has ", m.size(2), " features, x has ", D, " (shape ",
               m.sizes(), ")");
-  TORCH_CHECK(m.size(0) == 1 || m.size(0) == B, "adaln_modulate: ", name, " batch must be 1 or ", B, ", got shape ",
+  TORCH_CHECK(m.size(0) == 1 || m.size(0) == B, "norm_modulate kernels: ", name, " batch must be 1 or ", B, ", got shape ",
               m.sizes());
-  TORCH_CHECK(m.size(1) == 1 || m.size(1) == N, "adaln_modulate: ", name, " tokens must be 1 or ", N,
+  TORCH_CHECK(m.size(1) == 1 || m.size(1) == N, "norm_modulate kernels: ", name, " tokens must be 1 or ", N,
               ", got shape ", m.sizes());
-  TORCH_CHECK(m.stride(2) == 1 || D == 1, "adaln_modulate: ", name, " must have unit stride along D, got strides ",
+  TORCH_CHECK(m.stride(2) == 1 || D == 1, "norm_modulate kernels: ", name, " must have unit stride along D, got strides ",
               m.strides());
   ModView v;
   v.ptr = m.data_ptr();
@@ -94,33 +108,35 @@ bool mod_aligned(const ModView& v, int64_t esize) {
 }
 
 void check_mod_dtype(const Tensor& m, const Tensor& x, const char* name) {
-  TORCH_CHECK(m.scalar_type() == x.scalar_type() || m.scalar_type() == at::kFloat, "adaln_modulate: ", name,
+  TORCH_CHECK(m.scalar_type() == x.scalar_type() || m.scalar_type() == at::kFloat, "norm_modulate kernels: ", name,
               " must be float32 or x's dtype ", x.scalar_type(), ", got ", m.scalar_type());
 }
 
-std::vector<Tensor> forward_rows(const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
-                                 const Tensor& scale, const optional<Tensor>& shift, double eps, bool out_fp32,
-                                 int64_t max_threads, int64_t stages, bool interleave, int64_t store,
-                                 int64_t tail_pct, int64_t tail_rows) {
+// {y, mean (undefined for RMSNorm), rstd} of x viewed as [B, N, D]
+std::vector<Tensor> forward_rows(Norm norm, const Tensor& x, const optional<Tensor>& weight,
+                                 const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                                 double eps, bool out_fp32, int64_t max_threads, int64_t stages, bool interleave,
+                                 int64_t store, int64_t tail_pct, int64_t tail_rows) {
   check_x(x, "x");
   const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
   FwdArgs a;
   a.xt = to_dtype(x, "x");
-  TORCH_CHECK(D <= max_features(a.xt), "adaln_modulate: D = ", D, " exceeds the kernel's ", max_features(a.xt),
+  TORCH_CHECK(D <= max_features(a.xt), "norm_modulate kernels: D = ", D, " exceeds the kernel's ", max_features(a.xt),
               " features for ", x.scalar_type());
   check_mod_dtype(scale, x, "scale");
   a.mt = to_dtype(scale, "scale");
   if (shift.has_value())
-    TORCH_CHECK(shift->scalar_type() == scale.scalar_type(), "adaln_modulate: shift dtype ", shift->scalar_type(),
+    TORCH_CHECK(shift->scalar_type() == scale.scalar_type(), "norm_modulate kernels: shift dtype ", shift->scalar_type(),
                 " must equal scale dtype ", scale.scalar_type());
   c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({B, N, D}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
-  auto mean = at::empty({B, N}, x.options().dtype(at::kFloat));
+  Tensor mean = norm == Norm::RMS ? Tensor() : at::empty({B, N}, x.options().dtype(at::kFloat));
   auto rstd = at::empty({B, N}, x.options().dtype(at::kFloat));
+  a.norm = norm;
   a.ot = out_fp32 ? DType::F32 : a.xt;
   a.x = x.data_ptr();
   a.y = out.data_ptr();
-  a.mean = mean.data_ptr<float>();
+  a.mean = mean.defined() ? mean.data_ptr<float>() : nullptr;
   a.rstd = rstd.data_ptr<float>();
   a.weight = affine_ptr(weight, x, "weight");
   a.bias = affine_ptr(bias, x, "bias");
@@ -149,40 +165,45 @@ std::vector<Tensor> forward_rows(const Tensor& x, const optional<Tensor>& weight
 //   dscale: [B, N, D] in scale's dtype when scale is per-token (Nm == N > 1), else fp32 [B, D]
 //           per-sample sums (the caller sums over B for a shared scale);
 //   dshift: likewise, or empty without shift; dweight, dbias: fp32 [D], or empty when absent.
-std::vector<Tensor> backward_rows(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
+// {dx, dscale, dshift, dweight, dbias} of x viewed as [B, N, D]; mean: none for RMSNorm
+std::vector<Tensor> backward_rows(Norm norm, const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
                                   const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                                  const Tensor& mean, const Tensor& rstd, bool two_kernel, int64_t max_threads,
-                                  int64_t stages) {
+                                  const optional<Tensor>& mean, const Tensor& rstd, bool two_kernel,
+                                  int64_t max_threads, int64_t stages) {
   check_x(x, "x");
   check_x(dy, "dy");
   const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
-  TORCH_CHECK(dy.sizes() == x.sizes(), "adaln_modulate_backward: dy shape ", dy.sizes(), " must equal x shape ",
+  TORCH_CHECK(dy.sizes() == x.sizes(), "norm_modulate kernels (backward): dy shape ", dy.sizes(), " must equal x shape ",
               x.sizes());
   check_same_device(dy, x, "dy");
   BwdArgs a;
   a.xt = to_dtype(x, "x");
-  TORCH_CHECK(D <= max_features(a.xt), "adaln_modulate: D = ", D, " exceeds the kernel's ", max_features(a.xt),
+  TORCH_CHECK(D <= max_features(a.xt), "norm_modulate kernels: D = ", D, " exceeds the kernel's ", max_features(a.xt),
               " features for ", x.scalar_type());
   a.dyt = to_dtype(dy, "dy");
   TORCH_CHECK(dy.scalar_type() == x.scalar_type() || dy.scalar_type() == at::kFloat,
-              "adaln_modulate_backward: dy must be float32 or x's dtype ", x.scalar_type(), ", got ",
+              "norm_modulate kernels (backward): dy must be float32 or x's dtype ", x.scalar_type(), ", got ",
               dy.scalar_type());
   check_mod_dtype(scale, x, "scale");
   a.mt = to_dtype(scale, "scale");
   if (shift.has_value())
-    TORCH_CHECK(shift->scalar_type() == scale.scalar_type(), "adaln_modulate: shift dtype ", shift->scalar_type(),
+    TORCH_CHECK(shift->scalar_type() == scale.scalar_type(), "norm_modulate kernels: shift dtype ", shift->scalar_type(),
                 " must equal scale dtype ", scale.scalar_type());
-  for (const Tensor* s : {&mean, &rstd}) {
-    const char* name = s == &mean ? "mean" : "rstd";
+  for (const Tensor* s : {mean.has_value() ? &*mean : nullptr, &rstd}) {
+    if (s == nullptr) continue;
+    const char* name = s == &rstd ? "rstd" : "mean";
     check_same_device(*s, x, name);
     TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->numel() == B * N,
-                "adaln_modulate_backward: ", name, " must be contiguous float32 with ", B * N,
+                "norm_modulate kernels (backward): ", name, " must be contiguous float32 with ", B * N,
                 " elements (one per row), got shape ", s->sizes(), " dtype ", s->scalar_type());
   }
   c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(mean.has_value() == (norm == Norm::Layer), "norm_modulate kernels (backward): mean is ",
+              norm == Norm::Layer ? "required" : "not taken", " for this norm");
+  a.norm = norm;
   a.dy = dy.data_ptr();
   a.x = x.data_ptr();
-  a.mean = mean.data_ptr<float>();
+  a.mean = mean.has_value() ? mean->data_ptr<float>() : nullptr;
   a.rstd = rstd.data_ptr<float>();
   a.weight = affine_ptr(weight, x, "weight");
   a.bias = affine_ptr(bias, x, "bias");
@@ -235,7 +256,7 @@ std::vector<Tensor> backward_rows(const Tensor& dy, const Tensor& x, const optio
 // The size of modulation `t` at x's dim i, t broadcast against x (right-aligned): 1 where t has
 // no such dim. Sizes only, so the launch path creates no tensor to answer it.
 int64_t bcast_size(const Tensor& t, const Tensor& x, int64_t i) {
-  TORCH_CHECK(t.dim() >= 1 && t.dim() <= x.dim(), "adaln_modulate: a modulation of shape ", t.sizes(),
+  TORCH_CHECK(t.dim() >= 1 && t.dim() <= x.dim(), "norm_modulate kernels: a modulation of shape ", t.sizes(),
               " does not broadcast over x of shape ", x.sizes());
   const int64_t j = i - (x.dim() - t.dim());
   return j < 0 ? 1 : t.size(j);
@@ -288,19 +309,38 @@ optional<Tensor> affine_f32(const optional<Tensor>& t) {
 std::vector<int64_t> stat_shape(const Tensor& x) { return {x.sizes().begin(), x.sizes().end() - 1}; }
 
 // y = LayerNorm(x) * (1 + scale) + shift in out_dtype, and the fp32 per-row mean and rstd.
-std::tuple<Tensor, Tensor, Tensor> op_forward(const Tensor& x, const optional<Tensor>& weight,
-                                              const optional<Tensor>& bias, const Tensor& scale,
-                                              const optional<Tensor>& shift, double eps, at::ScalarType out_dtype,
-                                              int64_t max_threads, int64_t stages, bool interleave,
-                                              int64_t store, int64_t tail_pct, int64_t tail_rows) {
+// {y, mean (undefined for RMSNorm), rstd} in x's shape: the CUDA body of either op's forward
+std::vector<Tensor> op_forward(Norm norm, const Tensor& x, const optional<Tensor>& weight,
+                               const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                               double eps, at::ScalarType out_dtype, int64_t max_threads, int64_t stages,
+                               bool interleave, int64_t store, int64_t tail_pct, int64_t tail_rows) {
   const int64_t B = x.size(0), D = x.size(-1);
   const auto [scale_rows, shift_rows] = scale_shift_rows(x, scale, shift);
-  auto out = forward_rows(x.contiguous().view({B, -1, D}), affine_f32(weight), affine_f32(bias), scale_rows,
+  auto out = forward_rows(norm, x.contiguous().view({B, -1, D}), affine_f32(weight), affine_f32(bias), scale_rows,
                           shift_rows, eps, out_dtype != x.scalar_type(), max_threads, stages,
                           interleave, store, tail_pct, tail_rows);
   Tensor y = out[0];
   if (out_dtype != x.scalar_type() && out_dtype != at::kFloat) y = y.to(out_dtype);
-  return {y.view(x.sizes()), out[1].view(stat_shape(x)), out[2].view(stat_shape(x))};
+  return {y.view(x.sizes()), out[1].defined() ? out[1].view(stat_shape(x)) : out[1], out[2].view(stat_shape(x))};
+}
+
+std::tuple<Tensor, Tensor, Tensor> adaln_forward(const Tensor& x, const optional<Tensor>& weight,
+                                                 const optional<Tensor>& bias, const Tensor& scale,
+                                                 const optional<Tensor>& shift, double eps, at::ScalarType out_dtype,
+                                                 int64_t max_threads, int64_t stages, bool interleave,
+                                                 int64_t store, int64_t tail_pct, int64_t tail_rows) {
+  auto out = op_forward(Norm::Layer, x, weight, bias, scale, shift, eps, out_dtype, max_threads, stages, interleave,
+                        store, tail_pct, tail_rows);
+  return {out[0], out[1], out[2]};
+}
+
+std::tuple<Tensor, Tensor> rms_forward(const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
+                                       const optional<Tensor>& shift, double eps, at::ScalarType out_dtype,
+                                       int64_t max_threads, int64_t stages, bool interleave, int64_t store,
+                                       int64_t tail_pct, int64_t tail_rows) {
+  auto out = op_forward(Norm::RMS, x, weight, c10::nullopt, scale, shift, eps, out_dtype, max_threads, stages,
+                        interleave, store, tail_pct, tail_rows);
+  return {out[0], out[2]};
 }
 
 // A kernel gradient of modulation `t` ([B, N, D] per element or [B, D] per-sample sums), summed over
@@ -314,17 +354,22 @@ Tensor or_empty(const optional<Tensor>& g, const Tensor& x) { return g.has_value
 
 // (dx, dweight, dbias, dscale, dshift) in each input's shape and dtype; an absent input's gradient
 // is an empty [0] tensor.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> op_backward(
-    const Tensor& dy_in, const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
-    const Tensor& scale, const optional<Tensor>& shift, const Tensor& mean, const Tensor& rstd, bool two_kernel,
-    int64_t max_threads, int64_t stages) {
+Tensor stat_rows(const Tensor& s) { return s.to(at::kFloat).contiguous().view(-1); }
+
+// {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (an empty tensor for an
+// absent input): the CUDA body of either op's backward (mean: none for RMSNorm)
+std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x, const optional<Tensor>& weight,
+                                const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                                const optional<Tensor>& mean, const Tensor& rstd, bool two_kernel,
+                                int64_t max_threads, int64_t stages) {
   const int64_t B = x.size(0), D = x.size(-1);
   const Tensor dy = dy_in.scalar_type() == x.scalar_type() || dy_in.scalar_type() == at::kFloat ? dy_in : dy_in.to(at::kFloat);
   const auto [scale_rows, shift_rows] = scale_shift_rows(x, scale, shift);
-  auto g = backward_rows(dy.contiguous().view({B, -1, D}), x.contiguous().view({B, -1, D}), affine_f32(weight),
-                         affine_f32(bias), scale_rows, shift_rows,
-                         mean.to(at::kFloat).contiguous().view(-1), rstd.to(at::kFloat).contiguous().view(-1),
-                         two_kernel, max_threads, stages);
+  optional<Tensor> mean_rows;
+  if (mean.has_value()) mean_rows = stat_rows(*mean);
+  auto g = backward_rows(norm, dy.contiguous().view({B, -1, D}), x.contiguous().view({B, -1, D}), affine_f32(weight),
+                         affine_f32(bias), scale_rows, shift_rows, mean_rows, stat_rows(rstd), two_kernel, max_threads,
+                         stages);
   optional<Tensor> dweight, dbias, dshift;
   if (weight.has_value()) dweight = g[3].to(weight->scalar_type());
   if (bias.has_value()) dbias = g[4].to(bias->scalar_type());
@@ -332,24 +377,52 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> op_backward(
   return {g[0].view(x.sizes()), or_empty(dweight, x), or_empty(dbias, x), mod_grad(g[1], scale, x), or_empty(dshift, x)};
 }
 
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> adaln_backward(
+    const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
+    const Tensor& scale, const optional<Tensor>& shift, const Tensor& mean, const Tensor& rstd, bool two_kernel,
+    int64_t max_threads, int64_t stages) {
+  auto g = op_backward(Norm::Layer, dy, x, weight, bias, scale, shift, mean, rstd, two_kernel, max_threads, stages);
+  return {g[0], g[1], g[2], g[3], g[4]};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x,
+                                                        const optional<Tensor>& weight, const Tensor& scale,
+                                                        const optional<Tensor>& shift, const Tensor& rstd,
+                                                        bool two_kernel, int64_t max_threads, int64_t stages) {
+  auto g = op_backward(Norm::RMS, dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd, two_kernel,
+                       max_threads, stages);
+  return {g[0], g[1], g[3], g[4]};
+}
+
 }  // namespace
 }  // namespace adaln
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Fused LayerNorm -> adaptive modulation CUDA kernels (adaptiveload)";
-  m.def("forward", &adaln::op_forward,
+  m.doc() = "Fused norm -> adaptive modulation CUDA kernels (adaptiveload): LayerNorm and RMSNorm";
+  m.def("forward", &adaln::adaln_forward,
         "y, mean, rstd = forward(x[B,...,D], weight?, bias?, scale, shift?, eps, out_dtype, max_threads, stages, "
         "interleave, store, tail_pct, tail_rows): "
         "the CUDA body of adaptiveload::adaln_modulate (inputs validated by the caller)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"), py::arg("eps"),
         py::arg("out_dtype"), py::arg("max_threads") = 0, py::arg("stages") = -1, py::arg("interleave") = true,
         py::arg("store") = -1, py::arg("tail_pct") = -1, py::arg("tail_rows") = 8);
-  m.def("backward", &adaln::op_backward,
+  m.def("backward", &adaln::adaln_backward,
         "dx, dweight, dbias, dscale, dshift = backward(dy, x, weight?, bias?, scale, shift?, mean, rstd, "
         "two_kernel, max_threads, stages): the CUDA body of adaptiveload::adaln_modulate_backward",
         py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"),
         py::arg("mean"), py::arg("rstd"), py::arg("two_kernel") = false,
         py::arg("max_threads") = 0, py::arg("stages") = -1);
+  m.def("rms_forward", &adaln::rms_forward,
+        "y, rstd = rms_forward(x[B,...,D], weight?, scale, shift?, eps, out_dtype, max_threads, stages, "
+        "interleave, store, tail_pct, tail_rows): the CUDA body of adaptiveload::rms_norm_modulate",
+        py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("shift"), py::arg("eps"), py::arg("out_dtype"),
+        py::arg("max_threads") = 0, py::arg("stages") = -1, py::arg("interleave") = true, py::arg("store") = -1,
+        py::arg("tail_pct") = -1, py::arg("tail_rows") = 8);
+  m.def("rms_backward", &adaln::rms_backward,
+        "dx, dweight, dscale, dshift = rms_backward(dy, x, weight?, scale, shift?, rstd, two_kernel, max_threads, "
+        "stages): the CUDA body of adaptiveload::rms_norm_modulate_backward",
+        py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("shift"), py::arg("rstd"),
+        py::arg("two_kernel") = false, py::arg("max_threads") = 0, py::arg("stages") = -1);
   m.def("modulation_rows", [](const at::Tensor& t, const at::Tensor& x) { return adaln::modulation_rows(t, x, t.scalar_type()); },
         "the [B or 1, N or 1, D] row view of modulation t that the kernels read for x (a copy only where the "
         "token dims do not collapse to one stride or D is not unit-stride)", py::arg("t"), py::arg("x"));

@@ -1,7 +1,11 @@
-// Fused LayerNorm -> adaptive modulation: kernel arguments, launcher declarations and the device
-// helpers shared by the forward and backward kernels.
+// Fused norm -> adaptive modulation, for every norm type of the op family (Norm below): kernel
+// arguments, launcher declarations and the device helpers (vector loads, row reductions, the
+// shared-memory row rings, the deterministic column reduction's layout) shared by the forward and
+// backward kernels of every op.
 //
-//   y = (x_hat * w + b) * (1 + scale) + shift,   x_hat = (x - mean) * rstd   (one row = D features)
+//   y = (x_hat * w + b) * (1 + scale) + shift                                   (one row = D features)
+//   LayerNorm (adaln_modulate):      x_hat = (x - mean) * rstd,  rstd = 1 / sqrt(mean((x - mean)^2) + eps)
+//   RMSNorm (rms_norm_modulate):     x_hat = x * rstd,           rstd = 1 / sqrt(mean(x^2) + eps), no b
 //
 // x is viewed as [B, N, D] (row-major, contiguous); a modulation tensor is addressed as
 //   ptr + batch * sb + token * sn + d        (element strides; sb = 0 when its batch is 1 or it is
@@ -22,6 +26,10 @@
 namespace adaln {
 
 enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+// The norm the kernels compute, a template parameter of every kernel (the LayerNorm code is the same
+// instructions as before RMSNorm was added): Layer, or RMS (no mean: neither its reduction in the
+// forward nor the mean_D(g) term of dx; no per-row mean saved; no bias).
+enum class Norm : int { Layer = 0, RMS = 1 };
 
 // A block has at most kMaxThreads threads (so each may use up to 128 registers: the row and the
 // next row's prefetch stay in registers) and each thread owns at most kMaxChunks 16-byte groups of
@@ -43,8 +51,9 @@ struct ModView {
 struct FwdArgs {
   const void* x = nullptr;  // [B, N, D], dtype xt
   void* y = nullptr;        // [B, N, D], dtype ot
-  float* mean = nullptr;    // [B * N]
+  float* mean = nullptr;    // [B * N]; nullptr for Norm::RMS
   float* rstd = nullptr;    // [B * N]
+  Norm norm = Norm::Layer;
   const float* weight = nullptr;  // [D] or nullptr
   const float* bias = nullptr;    // [D] or nullptr
   ModView scale, shift;           // dtype mt
@@ -77,11 +86,12 @@ struct FwdArgs {
 struct BwdArgs {
   const void* dy = nullptr;  // [B, N, D], dtype dyt
   const void* x = nullptr;   // [B, N, D], dtype xt
-  const float* mean = nullptr;
+  const float* mean = nullptr;  // nullptr for Norm::RMS
   const float* rstd = nullptr;
   const float* weight = nullptr;
   const float* bias = nullptr;
   ModView scale, shift;  // dtype mt
+  Norm norm = Norm::Layer;
   void* dx = nullptr;    // [B, N, D], dtype xt
   // Per-token modulation: its gradient is per element ([B, N, D], dtype mt), written directly.
   void* dscale_el = nullptr;  // non-null iff scale is per-token
@@ -136,16 +146,19 @@ int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_by
                 const void* ring_kernel);
 int max_features(DType xt);
 
-void launch_forward(const FwdArgs& a, cudaStream_t stream);
+void launch_forward(const FwdArgs& a, cudaStream_t stream);  // by a.norm
 int num_sms();  // of the current device
 // Sets a.tiles and a.rows_per_tile (one wave of blocks; sizes the [3, tiles, B, D] workspace).
 void backward_plan(BwdArgs& a);
-void launch_backward(const BwdArgs& a, cudaStream_t stream);
-// Per-x-dtype entry points, defined in adaln_backward_{f32,bf16,f16}.cu.
-// launch == false: only set a.tiles and a.rows_per_tile.
-void run_backward_f32(BwdArgs& a, bool launch, cudaStream_t stream);
-void run_backward_bf16(BwdArgs& a, bool launch, cudaStream_t stream);
-void run_backward_f16(BwdArgs& a, bool launch, cudaStream_t stream);
+void launch_backward(const BwdArgs& a, cudaStream_t stream);  // by a.norm
+// The entry points of each norm and x dtype: defined in norm_modulate_forward.cuh and
+// norm_modulate_backward.cuh, explicitly instantiated in csrc/<op>/<op>_forward.cu and
+// <op>_backward_{f32,bf16,f16}.cu, so that they compile in parallel.
+// run_backward: launch == false only plans (sets a.tiles, a.rows_per_tile, ...).
+template <Norm N>
+void launch_forward_norm(const FwdArgs& a, cudaStream_t stream);
+template <Norm N, typename Tx>
+void run_backward(BwdArgs& a, bool launch, cudaStream_t stream);
 
 
 // Split N rows per sample into tiles so that B * tiles blocks fill the GPU once (blocks per SM from

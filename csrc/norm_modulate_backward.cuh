@@ -1,8 +1,8 @@
-// Backward kernels of the fused LayerNorm -> modulate op (templates; instantiated per x dtype in
-// adaln_backward_{f32,bf16,f16}.cu so the three compile in parallel).
+// Backward kernels of the fused norm -> modulate ops (templates, on the norm type N; instantiated
+// per op and x dtype in csrc/<op>/<op>_backward_{f32,bf16,f16}.cu so that they compile in parallel).
 //
-// Gradients (x_hat = (x - mean) * rstd, g = dy * (1 + scale) * w):
-//   dx      = rstd * (g - mean_D(g) - x_hat * mean_D(g * x_hat))
+// Gradients (x_hat = (x - mean) * rstd, RMSNorm: mean = 0 and no b; g = dy * (1 + scale) * w):
+//   dx      = rstd * (g - mean_D(g) - x_hat * mean_D(g * x_hat))       (RMSNorm: without mean_D(g))
 //   dshift  = sum of dy,                  dscale = sum of dy * (x_hat * w + b)   (broadcast dims)
 //   dweight = sum of dy * (1 + scale) * x_hat,   dbias = sum of dy * (1 + scale)  (all rows)
 //
@@ -28,7 +28,7 @@
 // instead of 3.
 #pragma once
 
-#include "adaln_modulate.cuh"
+#include "norm_modulate.cuh"
 
 namespace adaln {
 
@@ -47,8 +47,10 @@ constexpr int kBwdRingElemsPerToken = 16;
 template <typename Tx>
 constexpr int bwd_ring_chunks_per_token() { return kBwdRingElemsPerToken / (16 / static_cast<int>(sizeof(Tx))); }
 
-template <typename Tx, typename Tm, typename Tdy, int C, bool SPT, bool RING>
+template <Norm N, typename Tx, typename Tm, typename Tdy, int C, bool SPT, bool RING>
 __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
+  constexpr bool RMS = N == Norm::RMS;
+  constexpr int NS = RMS ? 1 : 2;  // row sums: [sum g,] sum g * x_hat
   const int64_t rows_per_tile = a.rows_per_tile;
   constexpr int VEC = 16 / sizeof(Tx);
   __shared__ float red[2 * 2 * 32];
@@ -120,7 +122,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   Raw<Tm, VEC> ns[C];
   float nmean = 0.f, nrstd = 0.f;
   auto load_row = [&](int64_t n) {  // the row's statistics, and (without the ring) the row itself
-    nmean = a.mean[b * a.N + n];
+    if constexpr (!RMS) nmean = a.mean[b * a.N + n];
     nrstd = a.rstd[b * a.N + n];
     if constexpr (RING) return;
     const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
@@ -153,7 +155,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
     if (n + 1 < n1) load_row(n + 1);  // in flight while this row is reduced
 
     const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
-    float sums[2] = {0.f, 0.f};
+    float sums[NS] = {};
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int col = (c * T + tid) * VEC;
@@ -168,8 +170,8 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
         // __fmul_rn: no FMA contraction, so the g recomputed after the barrier is bit-identical
         // (g - mean(g) is then exactly 0 where it should be, e.g. D = 1, where rstd = eps^-1/2)
         const float g = __fmul_rn(__fmul_rn(dy_, s1), cf[j]);
-        sums[0] += g;
-        sums[1] += g * xh;
+        if constexpr (!RMS) sums[0] += g;
+        sums[NS - 1] += g * xh;
         if (accum) {
           if (!SPT) {
             p0[c][j] += dy_ * xh;
@@ -190,9 +192,9 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
         if (dsh_el) store_f<Tm, VEC>(dsh_el + off, col, D, al, dyv);  // per-token shift: dy itself
       }
     }
-    block_sum<2>(sums, red, parity);
+    block_sum<NS>(sums, red, parity);
     if constexpr (RING) cur.release(n, n1, fetch);  // every thread holds the row in registers
-    const float mg = sums[0] * inv_d, mgx = sums[1] * inv_d;
+    const float mg = RMS ? 0.f : sums[0] * inv_d, mgx = sums[NS - 1] * inv_d;
 
 #pragma unroll
     for (int c = 0; c < C; ++c) {
@@ -228,7 +230,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
 // Reference design's column kernel: grid (ceil(D / 32), tiles, B), block (32, 8); thread (tx, ty)
 // owns feature d = 32 * blockIdx.x + tx and rows n0 + ty, n0 + ty + 8, ... of its tile, re-reading
 // x and dy; then the 8 row groups are summed in shared memory in a fixed order.
-template <typename Tx, typename Tm, typename Tdy, bool SPT>
+template <Norm N, typename Tx, typename Tm, typename Tdy, bool SPT>
 __global__ void __launch_bounds__(256) bwd_col_kernel(const BwdArgs a) {
   const int64_t rows_per_tile = a.rows_per_tile;
   __shared__ float part[3][8][33];
@@ -243,7 +245,8 @@ __global__ void __launch_bounds__(256) bwd_col_kernel(const BwdArgs a) {
   if (d < a.D) {
     for (int64_t n = n0 + ty; n < n1; n += 8) {
       const int64_t row = b * a.N + n;
-      const float xh = (to_f<Tx>(x[row * a.D + d]) - a.mean[row]) * a.rstd[row];
+      const float mean = N == Norm::RMS ? 0.f : a.mean[row];
+      const float xh = (to_f<Tx>(x[row * a.D + d]) - mean) * a.rstd[row];
       const float g = to_f<Tdy>(dy[row * a.D + d]);
       if (!SPT) {
         q0 += g * xh;
@@ -326,7 +329,7 @@ __global__ void __launch_bounds__(512) bwd_reduce_kernel(const BwdArgs a) {
 
 constexpr size_t kBwdRingBytes = 64 * 1024;  // automatic backward ring: slots for ~64 KB of rows a block
 
-template <typename Tx, typename Tm, typename Tdy, int C, bool SPT>
+template <Norm N, typename Tx, typename Tm, typename Tdy, int C, bool SPT>
 struct BwdKernels {
   static size_t coef(const BwdArgs& a, int threads) { return coef_smem_bytes(SPT ? 2 : 1, C, threads, a.xt); }
   static size_t slot(const BwdArgs& a) {
@@ -338,14 +341,14 @@ struct BwdKernels {
   template <typename F>
   static void with_kernel(const BwdArgs& a, const F& f) {  // the ring's row kernel, or the register one
     if constexpr (kRing) {
-      if (a.stages > 0) return f(bwd_row_kernel<Tx, Tm, Tdy, C, SPT, true>);
+      if (a.stages > 0) return f(bwd_row_kernel<N, Tx, Tm, Tdy, C, SPT, true>);
     }
-    f(bwd_row_kernel<Tx, Tm, Tdy, C, SPT, false>);
+    f(bwd_row_kernel<N, Tx, Tm, Tdy, C, SPT, false>);
   }
   // Sets a.stages (the ring's slots, or 0), a.tiles and a.rows_per_tile.
   static void plan(BwdArgs& a, int threads) {
     if constexpr (kRing) {
-      const void* ring = reinterpret_cast<const void*>(bwd_row_kernel<Tx, Tm, Tdy, C, SPT, true>);
+      const void* ring = reinterpret_cast<const void*>(bwd_row_kernel<N, Tx, Tm, Tdy, C, SPT, true>);
       // automatic: ~64 KB of rows; two slots with per-token scale rows, whose larger slots measured
       // better at 2 than at 64 KB's 3-7 (H200, D = 1536: 86% of SoL against 76%; equal at 3072 / 5120)
       const size_t auto_bytes = SPT ? 2 * slot(a) : kBwdRingBytes;
@@ -361,7 +364,7 @@ struct BwdKernels {
     });
     if (a.two_kernel) {
       dim3 grid((a.D + 31) / 32, static_cast<unsigned>(a.tiles), static_cast<unsigned>(a.B));
-      bwd_col_kernel<Tx, Tm, Tdy, SPT><<<grid, dim3(32, 8), 0, stream>>>(a);
+      bwd_col_kernel<N, Tx, Tm, Tdy, SPT><<<grid, dim3(32, 8), 0, stream>>>(a);
     }
     bwd_reduce_kernel<Tm, SPT><<<(a.D + 31) / 32, dim3(32, 16), 0, stream>>>(a);
   }
@@ -369,10 +372,10 @@ struct BwdKernels {
 
 // plan (launch == false: sets a.threads, a.chunks, a.stages, a.tiles, a.rows_per_tile) or launch
 // the backward: the ring's block shape first, the register path's where the ring cannot run
-template <typename Tx, typename Tm, typename Tdy, bool SPT>
+template <Norm N, typename Tx, typename Tm, typename Tdy, bool SPT>
 void bwd_run(BwdArgs& a, bool launch, cudaStream_t stream) {
   if (launch) {
-    with_chunk_count(a.chunks, [&](auto c) { BwdKernels<Tx, Tm, Tdy, decltype(c)::value, SPT>::launch(a, a.threads, stream); });
+    with_chunk_count(a.chunks, [&](auto c) { BwdKernels<N, Tx, Tm, Tdy, decltype(c)::value, SPT>::launch(a, a.threads, stream); });
     return;
   }
   const int requested = a.stages;
@@ -380,7 +383,7 @@ void bwd_run(BwdArgs& a, bool launch, cudaStream_t stream) {
     a.stages = requested;
     a.threads = rs.threads;
     a.chunks = rs.chunks;
-    with_chunk_count(rs.chunks, [&](auto c) { BwdKernels<Tx, Tm, Tdy, decltype(c)::value, SPT>::plan(a, rs.threads); });
+    with_chunk_count(rs.chunks, [&](auto c) { BwdKernels<N, Tx, Tm, Tdy, decltype(c)::value, SPT>::plan(a, rs.threads); });
   };
   const RowShape regs = row_shape(a.D, a.xt, a.max_threads);
   const RowShape ring =
@@ -390,32 +393,22 @@ void bwd_run(BwdArgs& a, bool launch, cudaStream_t stream) {
   if (!SPT && a.chunks > bwd_ring_chunks<Tx>()) a.two_kernel = true;  // see kBwdRingElems
 }
 
-// Dispatch on (modulation dtype, dy dtype) for one x dtype: each is x's dtype or fp32.
-template <typename Tx>
-struct BwdForX {
-  template <typename F>
-  static void dispatch(const BwdArgs& a, const F& f) {
-    const bool m32 = a.mt == DType::F32, d32 = a.dyt == DType::F32, spt = a.scale.sn != 0;
-    auto by_spt = [&](auto tm, auto tdy) {
-      using Tm = typename decltype(tm)::type;
-      using Tdy = typename decltype(tdy)::type;
-      if (spt) f.template operator()<Tx, Tm, Tdy, true>();
-      else f.template operator()<Tx, Tm, Tdy, false>();
-    };
-    struct XTag { using type = Tx; };
-    if (m32 && d32) by_spt(F32Tag{}, F32Tag{});
-    else if (m32) by_spt(F32Tag{}, XTag{});
-    else if (d32) by_spt(XTag{}, F32Tag{});
-    else by_spt(XTag{}, XTag{});
-  }
-};
-
-struct RunOp {
-  BwdArgs& a;
-  bool launch;
-  cudaStream_t stream;
-  template <typename Tx, typename Tm, typename Tdy, bool SPT>
-  void operator()() const { bwd_run<Tx, Tm, Tdy, SPT>(a, launch, stream); }
-};
+// The backward of norm N for x of type Tx: dispatch on (modulation dtype, dy dtype), each x's dtype
+// or fp32, and on a per-token scale.
+template <Norm N, typename Tx>
+void run_backward(BwdArgs& a, bool launch, cudaStream_t stream) {
+  const bool m32 = a.mt == DType::F32, d32 = a.dyt == DType::F32, spt = a.scale.sn != 0;
+  auto by_spt = [&](auto tm, auto tdy) {
+    using Tm = typename decltype(tm)::type;
+    using Tdy = typename decltype(tdy)::type;
+    if (spt) bwd_run<N, Tx, Tm, Tdy, true>(a, launch, stream);
+    else bwd_run<N, Tx, Tm, Tdy, false>(a, launch, stream);
+  };
+  struct XTag { using type = Tx; };
+  if (m32 && d32) by_spt(F32Tag{}, F32Tag{});
+  else if (m32) by_spt(F32Tag{}, XTag{});
+  else if (d32) by_spt(XTag{}, F32Tag{});
+  else by_spt(XTag{}, XTag{});
+}
 
 }  // namespace adaln

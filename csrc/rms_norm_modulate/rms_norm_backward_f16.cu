@@ -1,0 +1,9 @@
+// The backward kernels of rms_norm_modulate (RMSNorm) for x of type __half, instantiated from
+// norm_modulate_backward.cuh.
+#include "norm_modulate_backward.cuh"
+
+namespace adaln {
+
+template void run_backward<Norm::RMS, __half>(BwdArgs& a, bool launch, cudaStream_t stream);
+
+}  // namespace adaln
