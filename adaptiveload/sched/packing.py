@@ -41,7 +41,6 @@ and ``load_state_dict``; a DataLoader's ``batch_sampler``, with any number of wo
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from dataclasses import dataclass
@@ -56,15 +55,16 @@ from adaptiveload.sched.shapes import WAN_PATCH_SIZE, tokens_from_latent
 
 logger = logging.getLogger("adaptiveload.sched")
 
-# Packs balanced together by one LPT (step 3 of the module docstring). More packs give LPT more small
-# samples to level with (on the reference mix at W = 8: idle 0.034 with 8, 0.011 with 32) and cost
-# time linearly (the vectorised LPT touches every pack of a group for every sample).
+# Packs balanced together by one LPT (step 3 of the module docstring), the packer's look-ahead. More
+# packs give LPT more small samples to level with (on the reference mix at W = 8, idle fell from about
+# 0.03 with 8 packs to 0.01 with 32) and cost time linearly (the vectorised LPT touches every pack of a
+# group for every sample).
 GROUP_PACKS = 32
-# Predicted times within this share of the median pack time are one band (step 4): a step's packs differ
-# by at most about two bands. Wider bands keep steps closer to random samples, narrower ones balance
-# better (reference mix, W = 1024: idle 0.009 / KS 0.155 at 0.01, idle 0.014 / KS 0.069 at 0.02).
+# Predicted times within this share of the median pack time are one band (step 4): a step's packs
+# differ by at most about two bands. Wider bands keep steps closer to random samples, narrower ones
+# balance better.
 LOAD_TOLERANCE = 0.02
-# Steps whose packs step 4 may regroup: how far ahead of its turn in the random order a pack can train.
+# Steps (of consecutive groups) among whose packs step 4 forms steps of one band.
 STEP_WINDOW = 16
 POLICY = "packed"
 
@@ -77,8 +77,8 @@ class EpochPacking:
         step_packs: int64 [steps, world_size], the pack rank r trains at step s; -1 = a padding pack.
         pack_start: int64 [num_packs], offset of each pack in ``order``.
         pack_size: int64 [num_packs], samples in each pack.
-        order: int64 [num_kept_samples], sample indices grouped by pack.
-        seq_lens: int64 [num_samples], tokens of every sample of the corpus.
+        order: int32 (int64 from 2^31 samples) [num_kept_samples], sample indices grouped by pack.
+        seq_lens: int32 (int64 from 2^31 tokens) [num_samples], tokens of every sample of the corpus.
         padding_sample: the sample a padding pack holds (the shortest kept one), trained with loss weight 0.
     """
 
@@ -119,8 +119,8 @@ class EpochPacking:
 
     def step_tokens(self) -> np.ndarray:
         """int64 [steps, world_size]: tokens each rank trains at each step (0 for a padding pack)."""
-        tokens = np.append(np.add.reduceat(self.seq_lens[self.order], self.pack_start) if self.order.size else [], 0)
-        return tokens.astype(np.int64)[self.step_packs]
+        tokens = np.add.reduceat(self.seq_lens[self.order].astype(np.int64), self.pack_start)
+        return np.append(tokens, 0)[self.step_packs]
 
     def step_samples(self) -> tuple[np.ndarray, np.ndarray]:
         """``(step, sample)``: int64 arrays [num_kept_samples], the global step of every trained
@@ -156,9 +156,10 @@ class PackingSampler(EpochBatchSampler):
         patch_size: DiT patch (pt, ph, pw) for latent shapes.
 
     Raises:
-        ValueError: a bad shape array (first bad sample named), a non-positive ``m_mem`` or
-            ``step_budget_s``, a bad ``num_replicas``/``rank``, or samples longer than ``m_mem``
-            without ``drop_oversized`` (the first ones named with their index and S).
+        ValueError: a bad shape array (first bad sample named), a non-positive ``m_mem``, a
+            ``step_budget_s`` not above the cost model's fixed time per step, a bad
+            ``num_replicas``/``rank``, or samples longer than ``m_mem`` without ``drop_oversized``
+            (the first ones named with their index and S).
 
     Example::
 
@@ -190,7 +191,10 @@ class PackingSampler(EpochBatchSampler):
         bucket_keys, inverse, _ = group_buckets(shapes_or_seq_lens)
         bucket_seq = bucket_tokens(bucket_keys, patch_size)
         self.num_samples = int(inverse.size)
+        # narrow integers: an epoch of 10M samples is planned in well under 2 GB
         index_dtype = np.int32 if self.num_samples < 2**31 else np.int64
+        bucket_seq = bucket_seq.astype(np.int32 if bucket_seq.max() < 2**31 else np.int64)
+        inverse = inverse.astype(np.int16 if bucket_seq.size < 2**15 else np.int32)
         self.seq_lens = bucket_seq[inverse]
         over = np.flatnonzero(self.seq_lens > self.m_mem)
         if over.size:
@@ -208,13 +212,17 @@ class PackingSampler(EpochBatchSampler):
         self._kept = np.flatnonzero(self.seq_lens <= self.m_mem).astype(index_dtype)
         # per bucket: predicted work (the pack time without its intercept) and its rank, largest first
         bucket_work = cost_model.per_sample(bucket_seq)
-        rank_of = np.empty(bucket_seq.size, dtype=np.int64)
+        rank_of = np.empty(bucket_seq.size, dtype=np.int32)
         rank_of[np.argsort(-bucket_work, kind="stable")] = np.arange(bucket_seq.size)
         self._bucket_work, self._bucket_rank, self._bucket_seq, self._inverse = bucket_work, rank_of, bucket_seq, inverse
         kept_work = bucket_work[inverse[self._kept]]
         self._fine_work = float(np.median(kept_work))
-        # the group total: GROUP_PACKS packs at the step budget (without the intercept each pays)
-        self._pack_work = max(step_budget_s - float(cost_model.predict_packs([], [0])[0]), float(kept_work.max()) * 1e-3)
+        # the group total: GROUP_PACKS packs at the step budget, without the fixed time each pays
+        fixed = float(cost_model.predict_packs([], [0])[0])
+        if step_budget_s <= fixed:
+            raise ValueError(f"Invalid step_budget_s {step_budget_s!r}: a step's fixed time alone is {fixed:.4g} s "
+                             f"under this cost model, no pack fits in it")
+        self._pack_work = step_budget_s - fixed
         self.padding_sample = int(self._kept[np.argmin(self.seq_lens[self._kept])])
 
     @classmethod
@@ -249,24 +257,28 @@ class PackingSampler(EpochBatchSampler):
     def _pack(self, rng: np.random.Generator) -> EpochPacking:
         todo = self._kept[rng.permutation(self._kept.size)]
         bucket = self._inverse[todo]  # gathered once; per-bucket tables stay in cache
+        work32 = self._bucket_work.astype(np.float32)  # LPT's choice; exact times are summed in float64
         samples, packs, num_packs = [], [], 0
         while todo.size:  # the samples step 3 could not place form the groups of another round
-            work = self._bucket_work[bucket]
-            group, num_groups = _cut_groups(work, self._fine_work, self._pack_work * GROUP_PACKS,
-                                            float(self._bucket_seq[bucket].sum()), self.m_mem)
-            by_group = np.argsort(group * self._bucket_work.size + self._bucket_rank[bucket], kind="stable")
+            group, num_groups = _cut_groups(self._bucket_work[bucket], self._fine_work, self._pack_work * GROUP_PACKS,
+                                            float(self._bucket_seq[bucket].sum(dtype=np.int64)), self.m_mem)
+            key = group.astype(np.int64 if num_groups * self._bucket_work.size >= 2**31 else np.int32)
+            by_group = np.argsort(key * self._bucket_work.size + self._bucket_rank[bucket], kind="stable")
+            del key
             todo, group, bucket = todo[by_group], group[by_group], bucket[by_group]
-            slot = _lpt(group, self._bucket_seq[bucket], self._bucket_work[bucket], num_groups, self.m_mem,
+            del by_group
+            slot = _lpt(group, self._bucket_seq[bucket], work32[bucket], num_groups, self.m_mem,
                         int(self.seq_lens[self.padding_sample]))
             placed = slot >= 0
             samples.append(todo[placed])
-            packs.append(num_packs + group[placed] * GROUP_PACKS + slot[placed])
+            packs.append((num_packs + group[placed] * GROUP_PACKS + slot[placed]).astype(todo.dtype))
             num_packs += num_groups * GROUP_PACKS
             todo, bucket = todo[~placed], bucket[~placed]
         samples, packs = np.concatenate(samples), np.concatenate(packs)
         # samples of one pack are neighbours (one group): a stable sort by pack merges short runs
         by_pack = np.argsort(packs, kind="stable")
-        samples, packs = samples[by_pack].astype(np.int64), packs[by_pack]
+        samples, packs = samples[by_pack], packs[by_pack]
+        del by_pack
         sizes = np.bincount(packs, minlength=num_packs)
         times = np.bincount(packs, weights=self._bucket_work[self._inverse[samples]], minlength=num_packs)[sizes > 0]
         sizes = sizes[sizes > 0]  # the empty packs of a round with fewer samples than packs go
@@ -301,12 +313,8 @@ class PackingSampler(EpochBatchSampler):
         for step in range(start, packing.num_steps):
             yield packing.indices(step, self.rank)
 
-    def _fingerprint(self) -> str:
-        h = hashlib.sha1()
-        for arr in (self._inverse, self._bucket_work, self._kept):
-            h.update(np.ascontiguousarray(arr).tobytes())
-        h.update(repr((self.num_replicas, self.seed, self.m_mem, self.step_budget_s)).encode())
-        return h.hexdigest()
+    def _plan_inputs(self) -> tuple[tuple, tuple]:
+        return (self._inverse, self._bucket_work, self._kept), (self.m_mem, self.step_budget_s)
 
 
 def _cut_groups(work, fine_work, group_work, tokens, m_mem) -> tuple[np.ndarray, int]:
@@ -319,7 +327,8 @@ def _cut_groups(work, fine_work, group_work, tokens, m_mem) -> tuple[np.ndarray,
         tokens: total tokens of the samples; m_mem: tokens per pack.
 
     Returns:
-        ``(group, num_groups)``: int64 [n], the group of each sample, and the number of groups.
+        ``(group, num_groups)``: int32 [n] (int64 from 2^31 groups), the group of each sample, and the
+        number of groups.
     """
     total = float(work.sum())
     # enough groups for the tokens as well: a group holds at most GROUP_PACKS * m_mem tokens
@@ -338,7 +347,7 @@ def _cut_groups(work, fine_work, group_work, tokens, m_mem) -> tuple[np.ndarray,
     fine_cum = np.cumsum(finer)
     fine_ends = np.maximum.accumulate(np.clip(ends * (total / num_groups) - coarse_upto, 0.0,
                                               float(fine_cum[-1]) if finer.size else 0.0))
-    group = np.empty(work.size, dtype=np.int64)
+    group = np.empty(work.size, dtype=np.int32 if num_groups < 2**31 else np.int64)
     group[~fine] = coarse_group
     group[fine] = np.minimum(np.searchsorted(fine_ends, fine_cum - finer / 2), num_groups - 1)
     return group, num_groups
@@ -348,19 +357,21 @@ def _lpt(group, seq, work, num_groups: int, m_mem: int, shortest: int) -> np.nda
     """Step 3: longest processing time first within every group, all groups at once.
 
     Args:
-        group: int64 [n], sorted; seq (tokens, int), work (seconds, float): [n] of the samples in
+        group: int [n], sorted; seq (tokens, int), work (seconds, float): [n] of the samples in
             that order, work descending within each group (so tokens too: work grows with S).
         num_groups: groups; m_mem: tokens per pack; shortest: tokens of the shortest sample.
 
     Returns:
-        int64 [n]: the pack (0 .. GROUP_PACKS - 1) of its group each sample joins, -1 when it fits in none.
+        int8 [n]: the pack (0 .. GROUP_PACKS - 1) of its group each sample joins, -1 when it fits in none.
     """
     counts = np.bincount(group, minlength=num_groups)
     width = int(counts.max())
     # every group's samples in a row of `width` cells (written in order: the samples are sorted by
     # group), then the rows sorted by sample count and transposed: row j of a table holds every
     # group's j-th largest sample, and the groups that still have one are its first columns
-    item_cell = np.arange(group.size) + (np.arange(num_groups) * width - (np.cumsum(counts) - counts))[group]
+    cell_dtype = np.int32 if num_groups * width < 2**31 else np.int64
+    item_cell = np.arange(group.size, dtype=cell_dtype) + (np.arange(num_groups) * width
+                                                           - (np.cumsum(counts) - counts)).astype(cell_dtype)[group]
     by_count = np.argsort(-counts, kind="stable")
 
     def table(values, dtype):
@@ -395,7 +406,7 @@ def _lpt(group, seq, work, num_groups: int, m_mem: int, shortest: int) -> np.nda
         flat_loads[cell[flat_tokens[cell] > m_mem - shortest]] = np.inf  # no room left for any sample
     slot = np.empty((num_groups, width), dtype=np.int8)
     slot[by_count] = table_slot.T
-    return slot.reshape(-1)[item_cell].astype(np.int64)
+    return slot.reshape(-1)[item_cell]
 
 
 def _form_steps(times, world_size: int, rng: np.random.Generator) -> np.ndarray:

@@ -213,8 +213,9 @@ class EpochBatchSampler(torch.utils.data.Sampler, ABC):
 
     A subclass sets ``num_replicas``, ``rank``, ``seed``, ``policy`` and calls :meth:`_init_epochs`;
     it implements :meth:`steps_per_epoch`, ``_epoch_batches(start)`` (the lists of sample indices
-    this rank trains from global step ``start`` of ``self.epoch``) and ``_fingerprint()`` (a digest
-    of everything that decides the plan besides the seed and the epoch).
+    this rank trains from global step ``start`` of ``self.epoch``) and ``_plan_inputs()`` (the arrays
+    and values that decide the plan besides the world size, seed, policy and epoch; a state from
+    another plan does not load).
     """
 
     num_replicas: int
@@ -264,8 +265,16 @@ class EpochBatchSampler(torch.utils.data.Sampler, ABC):
         """Lists of sample indices this rank trains from global step ``start`` of ``self.epoch``."""
 
     @abstractmethod
+    def _plan_inputs(self) -> tuple[tuple, tuple]:
+        """What decides the plan besides world size, seed, policy and epoch: ``(arrays, values)``."""
+
     def _fingerprint(self) -> str:
-        """Digest of everything besides seed and epoch that decides the plan."""
+        arrays, values = self._plan_inputs()
+        h = hashlib.sha1()
+        for arr in arrays:
+            h.update(np.ascontiguousarray(arr).tobytes())
+        h.update(repr((self.num_replicas, self.seed, self.policy, *values)).encode())
+        return h.hexdigest()
 
     def state_dict(self, consumed_steps: int) -> dict:
         """Resume state after ``consumed_steps`` steps of the current epoch were trained.
@@ -542,9 +551,5 @@ class DualConstraintBucketSampler(EpochBatchSampler):
         for batch_id in plan.step_batches[start:, self.rank]:
             yield plan.indices(batch_id).tolist()
 
-    def _fingerprint(self) -> str:
-        h = hashlib.sha1()
-        for arr in (self._sample_bucket, self.bucket_keys, self.bucket_batch_sizes):
-            h.update(np.ascontiguousarray(arr).tobytes())
-        h.update(repr((self.num_replicas, self.seed, self.policy, self.drop_last)).encode())
-        return h.hexdigest()
+    def _plan_inputs(self) -> tuple[tuple, tuple]:
+        return (self._sample_bucket, self.bucket_keys, self.bucket_batch_sizes), (self.drop_last,)

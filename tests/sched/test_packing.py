@@ -29,7 +29,7 @@ def test_packing_properties(seq, world, budget_factor, room_factor, seed, epoch)
     no pack holds more than m_mem tokens; only the last step pads, with the shortest sample at weight 0."""
     seq = np.array(seq)
     m_mem = int(seq.max() * room_factor)
-    budget = float(COST.predict(1, seq.max())) * budget_factor
+    budget = COST.c0 + float(COST.per_sample(seq.max())) * budget_factor
     samplers = _ranks(seq, world, m_mem, budget, COST, seed=seed)
     for smp in samplers:
         smp.set_epoch(epoch)
@@ -162,6 +162,7 @@ def test_oversized_samples_are_named_or_dropped(caplog):
     ({"m_mem": 10.5}, "Invalid m_mem 10.5"),
     ({"step_budget_s": 0.0}, "Invalid step_budget_s 0.0"),
     ({"step_budget_s": float("nan")}, "Invalid step_budget_s nan"),
+    ({"step_budget_s": 0.01}, r"Invalid step_budget_s 0.01: a step's fixed time alone is 0.01875 s"),
     ({"cost_model": "quadratic"}, "cost_model must be a CostModel, got str"),
     ({"rank": 3, "num_replicas": 2}, r"Invalid rank 3, rank should be in the interval \[0, 1\]"),
     ({"shapes_or_seq_lens": [5, 0, 3]}, r"got \[0\] at sample 1"),
@@ -193,39 +194,22 @@ class _Latents(torch.utils.data.Dataset):
         return {"index": i, "latents": torch.zeros(4, *self.shapes[i].tolist())}
 
 
-def test_resume_mid_epoch_through_dataloader_with_workers():
-    m = reference_mix(3000, seed=4)
+def test_a_state_resumes_only_the_same_packing():
+    """Resume through DataLoader workers: tests/sched/test_sampler.py (shared with the bucket sampler)."""
+    seq = reference_mix(2000, seed=4).seq_lens
     kw = dict(m_mem=151200, step_budget_s=2.85, cost_model=COST, num_replicas=2, rank=1, seed=11)
-
-    def loader(sampler):
-        return torch.utils.data.DataLoader(_Latents(m.latent_shapes), batch_sampler=sampler, num_workers=2,
-                                           collate_fn=lambda items: [item["index"] for item in items], prefetch_factor=4)
-
-    full = PackingSampler(m.latent_shapes, **kw)
-    full.set_epoch(3)
-    reference = list(loader(full))
-    assert len(reference) == len(full) > 20
-    first = PackingSampler(m.latent_shapes, **kw)
-    first.set_epoch(3)
-    seen, state = [], None
-    for step, batch in enumerate(loader(first), start=first.resume_step):
-        seen.append(batch)
-        if step + 1 == 13:  # checkpoint after 13 trained steps; the workers have fetched further ahead
-            state = first.state_dict(consumed_steps=step + 1)
-            break
-    resumed = PackingSampler(m.latent_shapes, **kw)
-    resumed.load_state_dict(state)
-    resumed.set_epoch(3)
-    assert resumed.resume_step == 13 and len(resumed) == len(full) - 13
-    rest = list(enumerate(loader(resumed), start=resumed.resume_step))
-    assert rest[0][0] == 13 and seen[:13] + [b for _, b in rest] == reference
-    resumed.set_epoch(4)
-    assert resumed.resume_step == 0 and len(resumed) == len(full)
-    # a state from another budget or world size does not resume this sampler
-    with pytest.raises(ValueError, match="fingerprint mismatch"):
-        PackingSampler(m.latent_shapes, **{**kw, "step_budget_s": 3.0}).load_state_dict(state)
+    state = PackingSampler(seq, **kw).state_dict(consumed_steps=5)
+    assert (state["policy"], state["consumed_steps"]) == ("packed", 5)
+    for change in ({"step_budget_s": 3.0}, {"m_mem": 150000}):
+        with pytest.raises(ValueError, match="fingerprint mismatch"):
+            PackingSampler(seq, **{**kw, **change}).load_state_dict(state)
     with pytest.raises(ValueError, match="num_replicas was 2, this sampler has 4"):
-        PackingSampler(m.latent_shapes, **{**kw, "num_replicas": 4}).load_state_dict(state)
+        PackingSampler(seq, **{**kw, "num_replicas": 4}).load_state_dict(state)
+    with pytest.raises(ValueError, match="fingerprint mismatch"):
+        PackingSampler(seq[::-1].copy(), **kw).load_state_dict(state)
+    resumed = PackingSampler(seq, **kw)
+    resumed.load_state_dict(state)
+    assert len(resumed) == len(PackingSampler(seq, **kw)) - 5
 
 
 def test_collate_packed_through_a_dataloader():

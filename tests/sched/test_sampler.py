@@ -1,11 +1,12 @@
-"""DualConstraintBucketSampler (adaptiveload/sched/sampler.py): rule, coverage, ranks, policies, resume."""
+"""DualConstraintBucketSampler (adaptiveload/sched/sampler.py): rule, coverage, ranks, policies, resume
+(resume of PackingSampler too: the resume machinery is shared)."""
 import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adaptiveload.sched import DualConstraintBucketSampler, dual_constraint_batch_size, reference_mix
+from adaptiveload.sched import DualConstraintBucketSampler, PackingSampler, dual_constraint_batch_size, reference_mix
 from adaptiveload.sched.cost_model import QuadraticCostModel
 from adaptiveload.sched.shapes import tokens_from_latent
 
@@ -193,16 +194,23 @@ def _loader(sampler):
                                        collate_fn=list, prefetch_factor=4)
 
 
-@pytest.mark.parametrize("policy", ["random", "cost_grouped"])
+@pytest.mark.parametrize("policy", ["random", "cost_grouped", "packed"])
 def test_resume_mid_epoch_through_dataloader_with_workers(policy):
+    """Both samplers (the bucket sampler's step orders, and packing) resume exactly."""
     m = reference_mix(3000, seed=4)
-    kw = dict(m_mem=151200, num_replicas=2, rank=1, seed=11, policy=policy, cost_model=COST)
-    full = DualConstraintBucketSampler(m.latent_shapes, **kw)
+    kw = dict(m_mem=151200, num_replicas=2, rank=1, seed=11, cost_model=COST)
+
+    def make():
+        if policy == "packed":
+            return PackingSampler(m.latent_shapes, step_budget_s=2.85, **kw)
+        return DualConstraintBucketSampler(m.latent_shapes, policy=policy, **kw)
+
+    full = make()
     full.set_epoch(3)
     reference = list(_loader(full))
     assert len(reference) == len(full) > 20
 
-    first = DualConstraintBucketSampler(m.latent_shapes, **kw)
+    first = make()
     first.set_epoch(3)
     seen, state = [], None
     for step, batch in enumerate(_loader(first), start=first.resume_step):
@@ -212,7 +220,7 @@ def test_resume_mid_epoch_through_dataloader_with_workers(policy):
             break
     assert state["consumed_steps"] == 13 and state["epoch"] == 3
 
-    resumed = DualConstraintBucketSampler(m.latent_shapes, **kw)
+    resumed = make()
     resumed.load_state_dict(state)
     resumed.set_epoch(3)  # the training loop re-selects the same epoch: the resume point is kept
     assert resumed.resume_step == 13 and len(resumed) == len(full) - 13
