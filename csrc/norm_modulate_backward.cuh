@@ -44,8 +44,14 @@ constexpr int bwd_ring_chunks() { return kBwdRingElems / (16 / static_cast<int>(
 // Per-token scale (its row rides the slot beside x and dy; the kernel also keeps a third partial
 // and the bias row): up to kBwdRingElemsPerToken elements a thread (see KERNEL_NOTES v8).
 constexpr int kBwdRingElemsPerToken = 16;
-template <typename Tx>
-constexpr int bwd_ring_chunks_per_token() { return kBwdRingElemsPerToken / (16 / static_cast<int>(sizeof(Tx))); }
+// RMSNorm's ring kernels with per-token scale at 2 chunks of 16-bit x spill (ptxas sm_90: 16-84 bytes
+// at 128 registers, bf16 84; the LayerNorm ones do not), so RMSNorm takes 1 chunk there: on the H200
+// (bf16, N = 65536, per-token scale and shift) 1 chunk measured 88 / 79 / 86% of SoL at D = 2048 /
+// 3072 / 4096 against 67% at 2 chunks (benchmarks/KERNEL_NOTES.md, rms_norm_modulate).
+template <Norm N, typename Tx>
+constexpr int bwd_ring_chunks_per_token() {
+  return N == Norm::RMS && sizeof(Tx) == 2 ? 1 : kBwdRingElemsPerToken / (16 / static_cast<int>(sizeof(Tx)));
+}
 
 template <Norm N, typename Tx, typename Tm, typename Tdy, int C, bool SPT, bool RING>
 __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
@@ -337,7 +343,7 @@ struct BwdKernels {
   }
   static size_t smem(const BwdArgs& a, int threads) { return coef(a, threads) + a.stages * slot(a); }
   // the ring up to kBwdRingElems a thread (per-token scale: bwd_ring_chunks_per_token)
-  static constexpr bool kRing = C <= (SPT ? bwd_ring_chunks_per_token<Tx>() : bwd_ring_chunks<Tx>());
+  static constexpr bool kRing = C <= (SPT ? bwd_ring_chunks_per_token<N, Tx>() : bwd_ring_chunks<Tx>());
   template <typename F>
   static void with_kernel(const BwdArgs& a, const F& f) {  // the ring's row kernel, or the register one
     if constexpr (kRing) {
@@ -387,7 +393,7 @@ void bwd_run(BwdArgs& a, bool launch, cudaStream_t stream) {
   };
   const RowShape regs = row_shape(a.D, a.xt, a.max_threads);
   const RowShape ring =
-      ring_row_shape(a.D, a.xt, a.max_threads, SPT ? bwd_ring_chunks_per_token<Tx>() : bwd_ring_chunks<Tx>());
+      ring_row_shape(a.D, a.xt, a.max_threads, SPT ? bwd_ring_chunks_per_token<N, Tx>() : bwd_ring_chunks<Tx>());
   plan(ring);
   if (a.stages == 0 && (ring.threads != regs.threads || ring.chunks != regs.chunks)) plan(regs);
   if (!SPT && a.chunks > bwd_ring_chunks<Tx>()) a.two_kernel = true;  // see kBwdRingElems
