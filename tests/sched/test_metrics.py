@@ -4,14 +4,13 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from scipy.stats import ks_2samp
 
 from adaptiveload.sched.metrics import composition, noise_floor
 
 
-@settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 12), min_size=2, max_size=80), st.integers(1, 8), st.integers(0, 2**32 - 1))
 def test_composition_matches_scipy_and_numpy(corpus, num_steps, seed):
     """Random steps (each a random subset with repeats) of a corpus with ties: the mean KS statistic is

@@ -5,7 +5,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from adaptiveload.sched import (Calibration, DualConstraintBucketSampler, PackedBatch, PackingSampler, collate_packed,
@@ -21,7 +21,6 @@ def _ranks(seq, world, *args, **kw):
     return [PackingSampler(seq, *args, num_replicas=world, rank=r, **kw) for r in range(world)]
 
 
-@settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 4000), min_size=1, max_size=250), st.integers(1, 5), st.floats(0.2, 6.0),
        st.floats(1.0, 4.0), st.integers(0, 3), st.integers(0, 2))
 def test_packing_properties(seq, world, budget_factor, room_factor, seed, epoch):
@@ -59,7 +58,6 @@ def test_packing_properties(seq, world, budget_factor, room_factor, seed, epoch)
     np.testing.assert_array_equal(plans[0].sample_counts(len(seq)), counts)
 
 
-@settings(max_examples=12, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.integers(2000, 4000), st.integers(1, 64), st.sampled_from([1, 2, 8, 16]))
 def test_packs_are_balanced_on_random_corpora(seed, n, spread, world):
     """With memory to spare, LPT leaves every pack of a group within one sample's work of the others
@@ -96,7 +94,6 @@ def _reference_lpt(group, seq, work, m_mem):
     return np.array(slots)
 
 
-@settings(max_examples=80, deadline=None)
 @given(st.lists(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 40)), max_size=90), min_size=1, max_size=5),
        st.integers(60, 400))
 def test_vectorised_lpt_matches_lpt_by_hand(groups, m_mem):
