@@ -43,8 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from adaptiveload.sched import DualConstraintBucketSampler, Plan, load_manifest, make_plan, reference_mix
-from adaptiveload.sched.presets import load_calibration
+from adaptiveload.sched import DualConstraintBucketSampler, Plan, load_calibration, load_manifest, make_plan, reference_mix
 from adaptiveload.train.step import flow_matching_loss
 
 MODELS = {  # WanTransformer3DModel arguments; text_len is what the text encoder pads prompts to

@@ -26,6 +26,7 @@ from adaptiveload.sched.manifest import Manifest, load_manifest, reference_mix, 
 from adaptiveload.sched.memory_model import MemoryModel
 from adaptiveload.sched.packing import EpochPacking, PackedBatch, PackingSampler, collate_packed, sampler_from_plan
 from adaptiveload.sched.plan import Plan, make_plan
+from adaptiveload.sched.presets import load_calibration
 from adaptiveload.sched.sampler import DualConstraintBucketSampler, EpochPlan
 from adaptiveload.sched.shapes import latent_shape, sequence_length, tokens_from_latent
 
@@ -33,6 +34,6 @@ __all__ = [
     "Calibration", "CostModel", "DualConstraintBucketSampler", "EpochPacking", "EpochPlan", "LinearCostModel", "Manifest",
     "MemoryModel", "PackedBatch", "PackingSampler", "Plan", "PowerCostModel", "QuadraticCostModel", "collate_packed",
     "dual_constraint_batch_size", "equal_token_batch_size", "fit_cost_model", "fit_packed_cost_model", "latent_shape",
-    "load_manifest", "make_plan", "reference_mix", "sampler_from_plan", "sequence_length", "tokens_from_latent",
+    "load_calibration", "load_manifest", "make_plan", "reference_mix", "sampler_from_plan", "sequence_length", "tokens_from_latent",
     "write_manifest",
 ]
