@@ -165,8 +165,6 @@ def stage_ab(tt, op, bwd, bw):
         sol_f, sol_b = sol_ms(x, 2 * k, bw), sol_ms(x, 3 * k, bw)
         print(f"B={B} D={D} {kind}: fwd {f:.4f} ms ({100 * sol_f / f:.1f}% SoL), bwd {b:.4f} ms "
               f"({100 * sol_b / b:.1f}%)", flush=True)
-        del x, s, h, dy, y, mean, rstd
-        torch.cuda.empty_cache()
 
 
 def stage_store(tt, op, bwd, bw):

@@ -196,6 +196,18 @@ def modulation_grads(dyf: Tensor, n: Tensor, scale: Tensor, shift: Optional[Tens
     return dscale, dshift
 
 
+# --- registration -------------------------------------------------------------------------------
+
+
+def define(forward_schema: str, backward_schema: str) -> torch.library.Library:
+    """A FRAGMENT library of the ``adaptiveload`` namespace with an op and its backward op defined
+    from their schemas, tagged pt2-compliant. Keep it alive: the registrations live as long as it."""
+    lib = torch.library.Library("adaptiveload", "FRAGMENT")
+    for schema in (forward_schema, backward_schema):
+        lib.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+    return lib
+
+
 # --- autograd -----------------------------------------------------------------------------------
 # What ``torch.library.register_autograd`` generates (torch/_library/autograd.py), less its per-call
 # work for features these schemas do not have (default and keyword-only arguments, out=). The

@@ -77,3 +77,60 @@ def assert_rel(out, ref, tol, what):
             f"{what}: rel err {err:.3e} > {tol:.1e}; worst element {worst}: got {out.flatten()[worst].item()!r}, "
             f"want {ref.flatten()[worst].item()!r}; {(bad > tol * ref.double().abs().max()).sum().item()} mismatches"
         )
+
+
+def check_op_against_float64(named: dict, op_fn, ref_fn, dy: torch.Tensor, tol: float):
+    """Run an op and its float64 reference on the same inputs, forward and backward, and compare.
+
+    Args:
+        named: the op's tensor inputs by name (None for absent ones); a tensor that is a view (a
+            .chunk() of a larger tensor) stays that view of a leaf that requires grad.
+        op_fn: ``op_fn(views) -> (y, *statistics)`` from a dict of the inputs by name.
+        ref_fn: ``ref_fn(views) -> y`` on float64 copies of the inputs (the same views).
+        dy: the incoming gradient of y.
+        tol: relative error bound of y; the gradients get twice it (a sum over many rows rounded once,
+            and dx one more cancellation).
+
+    Returns:
+        ``(outputs, ref_views)``: the op's outputs and the float64 inputs by name, for checks of the
+        statistics.
+
+    Raises:
+        AssertionError: a value, shape or dtype that differs.
+    """
+    names = [n for n, t in named.items() if t is not None]
+    leaves = [(named[n]._base if named[n]._base is not None else named[n]).requires_grad_(True) for n in names]
+
+    def rebuild(t, leaf):  # the same view, now of a leaf that requires grad
+        return leaf if t._base is None else leaf.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    outputs = op_fn({n: rebuild(named[n], leaf) for n, leaf in zip(names, leaves)})
+    grads = torch.autograd.grad(outputs[0], leaves, dy)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref_views = {n: rebuild(named[n], leaf) for n, leaf in zip(names, ref_leaves)}
+    y_ref = ref_fn(ref_views)
+    ref_grads = torch.autograd.grad(y_ref, ref_leaves, dy.double())
+    assert_rel(outputs[0], y_ref, tol, "y")
+    for name, g, r, leaf in zip(names, grads, ref_grads, leaves):
+        assert g.shape == leaf.shape and g.dtype == leaf.dtype, f"d{name}: {g.shape}/{g.dtype} vs {leaf.shape}"
+        assert_rel(g, r, 2 * tol, f"d{name}")
+    return outputs, ref_views
+
+
+def property_strategies() -> dict:
+    """The hypothesis strategies of the op property tests, by argument name: ``B``, ``tokens`` (the
+    dims between batch and features), ``D``, ``dtype``, ``scale_layout``, ``shift_layout`` (None:
+    no shift), ``grad_layout``, ``seed``. (hypothesis is imported here, a test dependency.)"""
+    from hypothesis import strategies as st
+
+    layouts = st.sampled_from(LAYOUTS)
+    return dict(
+        B=st.integers(1, 3),
+        tokens=st.sampled_from([(1,), (5,), (2, 3), (7,), (16,)]),
+        D=st.sampled_from([1, 3, 8, 17, 40, 130]),
+        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+        scale_layout=layouts,
+        shift_layout=st.one_of(st.none(), layouts),
+        grad_layout=st.sampled_from(GRAD_LAYOUTS),
+        seed=st.integers(0, 2**16),
+    )

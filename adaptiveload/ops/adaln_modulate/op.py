@@ -53,16 +53,11 @@ def check_backward_inputs(
     common.check_backward_common(f"{_OP}_backward", dy, x, {"mean": mean, "rstd": rstd})
 
 
-_lib = torch.library.Library("adaptiveload", "FRAGMENT")  # kept alive: the registrations live as long as it
-_lib.define(
+_lib = common.define(
     "adaln_modulate(Tensor x, Tensor? weight, Tensor? bias, Tensor scale, Tensor? shift, float eps, "
     "ScalarType out_dtype) -> (Tensor, Tensor, Tensor)",
-    tags=(torch.Tag.pt2_compliant_tag,),
-)
-_lib.define(
     "adaln_modulate_backward(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor scale, Tensor? shift, "
     "Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    tags=(torch.Tag.pt2_compliant_tag,),
 )
 adaln_modulate = torch.ops.adaptiveload.adaln_modulate
 adaln_modulate_backward = torch.ops.adaptiveload.adaln_modulate_backward

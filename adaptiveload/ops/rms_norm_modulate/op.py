@@ -50,16 +50,11 @@ def check_backward_inputs(
     common.check_backward_common(f"{_OP}_backward", dy, x, {"rstd": rstd})
 
 
-_lib = torch.library.Library("adaptiveload", "FRAGMENT")  # kept alive: the registrations live as long as it
-_lib.define(
+_lib = common.define(
     "rms_norm_modulate(Tensor x, Tensor? weight, Tensor scale, Tensor? shift, float eps, ScalarType out_dtype) "
     "-> (Tensor, Tensor)",
-    tags=(torch.Tag.pt2_compliant_tag,),
-)
-_lib.define(
     "rms_norm_modulate_backward(Tensor dy, Tensor x, Tensor? weight, Tensor scale, Tensor? shift, Tensor rstd) "
     "-> (Tensor, Tensor, Tensor, Tensor)",
-    tags=(torch.Tag.pt2_compliant_tag,),
 )
 rms_norm_modulate = torch.ops.adaptiveload.rms_norm_modulate
 rms_norm_modulate_backward = torch.ops.adaptiveload.rms_norm_modulate_backward
