@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from adaptiveload.models.config import WanConfig, resolve_config
+from adaptiveload.models.packed import packed_attention
 from adaptiveload.models.rope import apply_rope, rope_tables
 
 
@@ -72,33 +73,48 @@ class _Attention(nn.Module):
         self.norm_k = nn.RMSNorm(dim, eps=eps)
 
 
+def _attend(q: Tensor, k: Tensor, v: Tensor, cu_q: Optional[Tensor], cu_kv: Optional[Tensor]) -> Tensor:
+    """[B, S, H, d] queries to [B, L, H, d] keys/values -> [B, S, H, d]: dense SDPA over each batch
+    row, or, for a pack (B = 1, ``cu_q``/``cu_kv`` int32 [n + 1]), per sample
+    (:func:`~adaptiveload.models.packed.packed_attention`, q, k, v in one dtype: autocast's when on)."""
+    if cu_q is None:
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    dtype = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type)
+             else torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype))
+    return packed_attention(q[0].to(dtype), k[0].to(dtype), v[0].to(dtype), cu_q, cu_kv).unsqueeze(0)
+
+
 class SelfAttention(_Attention):
     """Multi-head self-attention with q/k RMSNorm across all heads and 3D RoPE.
 
-    ``x`` [B, S, dim], ``cos``/``sin`` [S, head_dim // 2] -> [B, S, dim] in ``x``'s dtype.
+    ``x`` [B, S, dim], ``cos``/``sin`` [S, head_dim // 2] -> [B, S, dim] in ``x``'s dtype. For a pack
+    (``x`` [1, sum S_i, dim]), ``cu_seqlens`` int32 [n + 1] limits attention to each sample.
     """
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
         q = self.norm_q(self.q(x)).unflatten(-1, (self.num_heads, -1))
         k = self.norm_k(self.k(x)).unflatten(-1, (self.num_heads, -1))
         v = self.v(x).unflatten(-1, (self.num_heads, -1))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.o(out.transpose(1, 2).flatten(2))
+        out = _attend(q, k, v, cu_seqlens, cu_seqlens)
+        return self.o(out.flatten(2))
 
 
 class CrossAttention(_Attention):
     """Multi-head attention from the video tokens to the text tokens, q/k RMSNorm across heads.
 
-    ``x`` [B, S, dim], ``context`` [B, L, dim] -> [B, S, dim].
+    ``x`` [B, S, dim], ``context`` [B, L, dim] -> [B, S, dim]. For a pack (``x`` [1, sum S_i, dim],
+    ``context`` [1, n * L, dim]), sample i's tokens ``cu_seqlens[i]:cu_seqlens[i + 1]`` attend to its
+    text tokens ``cu_context[i]:cu_context[i + 1]`` (both int32 [n + 1]).
     """
 
-    def forward(self, x: Tensor, context: Tensor) -> Tensor:
-        q = self.norm_q(self.q(x)).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
-        k = self.norm_k(self.k(context)).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
-        v = self.v(context).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v)
-        return self.o(out.transpose(1, 2).flatten(2))
+    def forward(self, x: Tensor, context: Tensor, cu_seqlens: Optional[Tensor] = None,
+                cu_context: Optional[Tensor] = None) -> Tensor:
+        q = self.norm_q(self.q(x)).unflatten(-1, (self.num_heads, -1))
+        k = self.norm_k(self.k(context)).unflatten(-1, (self.num_heads, -1))
+        v = self.v(context).unflatten(-1, (self.num_heads, -1))
+        out = _attend(q, k, v, cu_seqlens, cu_context)
+        return self.o(out.flatten(2))
 
 
 class WanBlock(nn.Module):
@@ -107,8 +123,11 @@ class WanBlock(nn.Module):
     Args of ``forward``:
         x: [B, S, dim] token stream (model dtype).
         context: [B, L, dim] projected text tokens.
-        temb6: [B, 6, dim] time modulation (shift, scale, gate for attention, then for the FFN).
+        temb6: [B, 6, dim] time modulation (shift, scale, gate for attention, then for the FFN), or
+            [B, S, 6, dim]: one per token (a pack's samples have their own timesteps).
         cos, sin: [S, head_dim // 2] RoPE tables.
+        cu_seqlens, cu_context: for a pack (B = 1, ``context`` [1, n * L, dim]), int32 [n + 1]
+            boundaries of the samples' tokens and of their text tokens; attention stays within a sample.
 
     Returns:
         [B, S, dim] in ``x``'s dtype.
@@ -125,15 +144,20 @@ class WanBlock(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(dim, config.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(config.ffn_dim, dim))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
 
-    def forward(self, x: Tensor, context: Tensor, temb6: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = (self.scale_shift_table + temb6.float()).chunk(6, dim=1)
+    def forward(self, x: Tensor, context: Tensor, temb6: Tensor, cos: Tensor, sin: Tensor,
+                cu_seqlens: Optional[Tensor] = None, cu_context: Optional[Tensor] = None) -> Tensor:
+        if temb6.dim() == 3:  # one modulation per sample: [B, 1, dim] each
+            modulation = (self.scale_shift_table + temb6.float()).chunk(6, dim=1)
+        else:  # one per token: [B, S, dim] each
+            modulation = (self.scale_shift_table.unsqueeze(1) + temb6.float()).unbind(2)
+        shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = modulation
 
         norm_x = (self.norm1(x.float()) * (1 + scale_msa) + shift_msa).type_as(x)
-        attn = self.self_attn(norm_x, cos, sin)
+        attn = self.self_attn(norm_x, cos, sin, cu_seqlens)
         x = (x.float() + attn * gate_msa).type_as(x)
 
         norm_x = self.norm2(x.float()).type_as(x)
-        x = x + self.cross_attn(norm_x, context)
+        x = x + self.cross_attn(norm_x, context, cu_seqlens, cu_context)
 
         norm_x = (self.norm3(x.float()) * (1 + c_scale) + c_shift).type_as(x)
         ff = self.ffn(norm_x)
@@ -224,17 +248,77 @@ class WanDiT(nn.Module):
         table_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         cos, sin = rope_tables(grid, self.config.head_dim, device=x.device, dtype=table_dtype)
 
+        x = self._blocks(x, context, temb6, cos, sin)
+        shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        x = self.proj_out(self._modulate_head(x, shift, scale))  # [B, S, out_channels * pt * ph * pw]
+        return self._unpatchify(x, grid).to(latents.dtype)
+
+    def _modulate_head(self, x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        """The output LayerNorm, modulated: ``shift``/``scale`` [B, 1, dim] (per sample) or [B, S, dim]
+        (per token) -> [B, S, dim] in ``x``'s dtype."""
+        return (self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
+
+    def _blocks(self, x: Tensor, *args) -> Tensor:
+        """Run every block on ``x`` (checkpointed in training mode when enabled)."""
         use_checkpoint = self.activation_checkpointing and self.training
         for block in self.blocks:
             if use_checkpoint:
-                x = checkpoint(block, x, context, temb6, cos, sin, use_reentrant=False)
+                x = checkpoint(block, x, *args, use_reentrant=False)
             else:
-                x = block(x, context, temb6, cos, sin)
+                x = block(x, *args)
+        return x
 
-        shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
-        x = (self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
-        x = self.proj_out(x)  # [B, S, out_channels * pt * ph * pw]
-        return self._unpatchify(x, grid).to(latents.dtype)
+    def forward_packed(self, tokens: Tensor, timestep: Tensor, context: Tensor, grid: Tensor,
+                       cu_seqlens: Tensor) -> Tensor:
+        """Predict for a pack: n samples of different shapes as one token sequence.
+
+        The same function as :meth:`forward` on each sample alone: each sample's tokens get its own
+        3D RoPE positions, timestep modulation (expanded to its tokens) and text, and attend only to
+        each other (:func:`~adaptiveload.models.packed.packed_attention`, dense SDPA per group of
+        samples of equal length, outside any compiled graph).
+
+        Args:
+            tokens: [sum S_i, in_channels * pt * ph * pw] patchified noisy latents
+                (:func:`~adaptiveload.models.packed.patchify_packed`); cast to the model's dtype.
+            timestep: [n] float diffusion time per sample, 0..1000.
+            context: [n, L, text_dim] text-encoder states per sample.
+            grid: int [n, 3] tokens per axis of each sample, ``(T/pt, H/ph, W/pw)``.
+            cu_seqlens: int32 [n + 1] cumulative token counts ``[0, S_0, S_0 + S_1, ...]`` (CPU or
+                device; read on the host once).
+
+        Returns:
+            [sum S_i, out_channels * pt * ph * pw] in ``tokens.dtype``, in the layout of ``tokens``
+            (:func:`~adaptiveload.models.packed.unpatchify_packed` gives each sample's [C, T, H, W]).
+
+        Raises:
+            ValueError: a tensor of the wrong rank, size or dtype, or ``cu_seqlens`` that is not the
+                cumulative sum of the grid's token counts (the message names it and its shape).
+        """
+        cfg = self.config
+        cu_host = self._check_packed_inputs(tokens, timestep, context, grid, cu_seqlens)
+        param_dtype = self.patch_embedding.weight.dtype
+        n, text_len = context.shape[0], context.shape[1]
+        lengths = torch.diff(cu_host).to(device=tokens.device, dtype=torch.int64)
+        segment_ids = torch.repeat_interleave(torch.arange(n, device=tokens.device), lengths, output_size=tokens.shape[0])
+
+        # the Conv3d patch embedding is a linear map of each patch: [1, sum S, dim]
+        x = F.linear(tokens.to(param_dtype), self.patch_embedding.weight.flatten(1), self.patch_embedding.bias)[None]
+        temb = self.time_embedding(timestep_embedding(timestep, cfg.freq_dim).to(param_dtype))  # [n, dim]
+        temb6 = self.time_projection(temb).unflatten(1, (6, cfg.dim))  # [n, 6, dim]
+        context = self.text_embedding(context.to(param_dtype)).flatten(0, 1)[None]  # [1, n * L, dim]
+        cu_context = torch.arange(n + 1, dtype=torch.int32) * text_len
+
+        table_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        tables = [rope_tables(tuple(g), cfg.head_dim, device=x.device, dtype=table_dtype) for g in grid.tolist()]
+        cos, sin = (torch.cat(t) for t in zip(*tables))
+
+        x = self._blocks(x, context, temb6[segment_ids][None], cos, sin, cu_host, cu_context)
+        temb = temb[segment_ids][None]  # [1, sum S, dim]
+        shift, scale = self.scale_shift_table[:, :1] + temb, self.scale_shift_table[:, 1:] + temb
+        x = self.proj_out(self._modulate_head(x, shift, scale))[0]  # [sum S, pt * ph * pw * C]
+        # to the input layout: (pt, ph, pw, C) -> (C, pt, ph, pw) per token
+        x = x.unflatten(1, (cfg.patch_volume, cfg.out_channels)).transpose(1, 2).flatten(1)
+        return x.to(tokens.dtype)
 
     def _unpatchify(self, x: Tensor, grid: tuple) -> Tensor:
         """[B, S, C * pt * ph * pw] -> [B, C, T, H, W]."""
@@ -243,6 +327,19 @@ class WanDiT(nn.Module):
         x = x.reshape(x.shape[0], frames, rows, cols, pt, ph, pw, self.config.out_channels)
         x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)
         return x.reshape(x.shape[0], self.config.out_channels, frames * pt, rows * ph, cols * pw)
+
+    def _check_packed_inputs(self, tokens, timestep, context, grid, cu_seqlens) -> Tensor:
+        """Raise ValueError naming a bad input of :meth:`forward_packed`; return ``cu_seqlens`` on the CPU."""
+        problem = _packed_inputs_problem(self.config, tokens, timestep, context, grid, cu_seqlens)
+        if problem is not None:
+            raise ValueError(f"WanDiT.forward_packed: {problem}")
+        cu_host = cu_seqlens.cpu()
+        expected = torch.cat([grid.new_zeros(1), grid.prod(dim=1).cumsum(0)]).cpu()
+        if grid.min() < 1 or not torch.equal(cu_host.long(), expected) or int(cu_host[-1]) != tokens.shape[0]:
+            raise ValueError(f"WanDiT.forward_packed: cu_seqlens {cu_host.tolist()} must be the cumulative token counts "
+                             f"{expected.tolist()} of grid (positive sizes) and end at the {tokens.shape[0]} tokens "
+                             f"(shape {list(tokens.shape)})")
+        return cu_host
 
     def _check_inputs(self, latents: Tensor, timestep: Tensor, context: Tensor) -> None:
         cfg = self.config
@@ -266,6 +363,27 @@ class WanDiT(nn.Module):
                 f"WanDiT: context (shape {list(context.shape)}) must be [B, L, {cfg.text_dim}] with "
                 f"B = {latents.shape[0]} (the batch of latents)"
             )
+
+
+def _shape(t) -> str:
+    return f"shape {list(t.shape)}, {t.dtype}"
+
+
+def _packed_inputs_problem(cfg: WanConfig, tokens, timestep, context, grid, cu_seqlens) -> Optional[str]:
+    """What is wrong with :meth:`WanDiT.forward_packed`'s inputs, or None."""
+    features = cfg.in_channels * cfg.patch_volume
+    if tokens.dim() != 2 or tokens.shape[1] != features or not tokens.is_floating_point():
+        return f"tokens ({_shape(tokens)}) must be floating [sum S, {features}] (in_channels * pt * ph * pw)"
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.shape[0] < 2:
+        return f"cu_seqlens ({_shape(cu_seqlens)}) must be int32 [n + 1] with n >= 1"
+    n = cu_seqlens.shape[0] - 1
+    if grid.dim() != 2 or grid.shape != (n, 3) or grid.is_floating_point():
+        return f"grid ({_shape(grid)}) must be integer [{n}, 3] (n = len(cu_seqlens) - 1)"
+    if timestep.dim() != 1 or timestep.shape[0] != n:
+        return f"timestep ({_shape(timestep)}) must be [{n}] (n = len(cu_seqlens) - 1)"
+    if context.dim() != 3 or context.shape[0] != n or context.shape[2] != cfg.text_dim:
+        return f"context ({_shape(context)}) must be [{n}, L, {cfg.text_dim}] (n = len(cu_seqlens) - 1)"
+    return None
 
 
 def build_model(
