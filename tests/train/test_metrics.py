@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from adaptiveload.train.metrics import _merged_length_us, busy_time_s, load_balance, summarize
+from adaptiveload.train.metrics import _union_length, busy_time_s, load_balance, summarize
 
 
 def test_load_balance_matches_hand_computation():
@@ -20,8 +20,8 @@ def test_load_balance_matches_hand_computation():
 
 
 def test_merged_intervals():
-    assert _merged_length_us([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == pytest.approx(4.0)
-    assert _merged_length_us([]) == 0
+    assert _union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == pytest.approx(4.0)
+    assert _union_length([]) == 0
 
 
 def test_summarize():
@@ -40,7 +40,7 @@ def test_cpu_busy_time_excludes_collectives(tmp_path):
             torch.randn(256, 256) @ torch.randn(256, 256)
         events = [e for e in prof.events() if "all_reduce" in e.name or "allreduce" in e.name]
         assert events
-        comm = _merged_length_us([(e.time_range.start, e.time_range.end) for e in events]) / 1e6
+        comm = _union_length([(e.time_range.start, e.time_range.end) for e in events]) / 1e6
         wall = 1.0
         assert busy_time_s(prof, torch.device("cpu"), wall) == pytest.approx(wall - comm, rel=1e-6, abs=1e-6)
         assert busy_time_s(prof, torch.device("cpu"), 1e-9) == 0.0
