@@ -1,0 +1,196 @@
+"""One training step of diffusers' ``LTXVideoTransformer3DModel`` (bf16), each transformer block
+compiled with Inductor or with the ``adaptiveload`` backend: step time, peak memory, and every
+parameter gradient against an fp32 eager reference.
+
+For each (B, S) of ``--shapes`` (S = frames x height x width tokens of 128 latent channels):
+
+* the chains the backend fused (``collect_reports``: norm1 and norm2 of a block; the blocks share one
+  compiled graph, so 2);
+* step time: median of ``--steps`` timed steps (forward, an MSE loss, backward; CUDA events) after
+  ``--warmup`` steps (the first compiles), and the peak memory of the timed steps
+  (``torch.cuda.max_memory_allocated``);
+* gradients: for every parameter the relative error ||g - g_ref|| / ||g_ref|| of its gradient (one
+  step, fixed inputs) against the same model in fp32 eager; the report gives the largest error and
+  how many parameters are within 5%, for the backend and for Inductor.
+
+The model is hidden size 2048 (32 heads x 64), ``--layers`` blocks, bf16 weights; its RMSNorm ->
+modulate sites are the blocks' norm1 and norm2 (weightless RMSNorm, per-token scale and shift from
+``scale_shift_table + temb``), the head's a LayerNorm one outside the compiled blocks.
+Writes ``<out>/ltx_step_<tag>.json`` and ``.md`` with the GPU, torch version, date and exact command.
+Usage: python benchmarks/bench_ltx_step.py [--layers 4] [--shapes 1x6144 8x384] [--tag h200]
+(``--device cpu --hidden 64 --heads 2 --layers 1 --shapes 1x48 --inner aot_eager`` checks it runs on a CPU.)
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from adaptiveload.fxfuse import collect_reports
+
+
+def build(args, dtype) -> torch.nn.Module:
+    import diffusers
+
+    torch.manual_seed(0)
+    model = diffusers.LTXVideoTransformer3DModel(
+        in_channels=128, out_channels=128, num_attention_heads=args.heads, attention_head_dim=args.hidden // args.heads,
+        cross_attention_dim=args.hidden, num_layers=args.layers, caption_channels=args.caption_channels)
+    return model.to(args.device, dtype).train()
+
+
+def frames_hw(S: int) -> tuple[int, int, int]:
+    """A (frames, height, width) latent grid of S tokens: frames the largest divisor of S up to 8
+    with a square of (S / frames) tokens left, else (1, 1, S)."""
+    for f in range(8, 0, -1):
+        side = int(round((S // f) ** 0.5))
+        if S % f == 0 and side * side == S // f:
+            return f, side, side
+    return 1, 1, S
+
+
+def make_inputs(B, S, args, gen) -> dict:
+    F_, H, W = frames_hw(S)
+    dev = args.device
+    return dict(hidden_states=torch.randn(B, S, 128, generator=gen).to(dev),
+                encoder_hidden_states=torch.randn(B, 64, args.caption_channels, generator=gen).to(dev),
+                timestep=torch.randint(0, 1000, (B,), generator=gen).to(dev),
+                encoder_attention_mask=torch.ones(B, 64, device=dev), num_frames=F_, height=H, width=W)
+
+
+def cast(inputs: dict, dtype) -> dict:
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+
+
+def step(model, inputs, target) -> None:
+    out = model(**inputs, return_dict=False)[0]
+    torch.nn.functional.mse_loss(out.float(), target).backward()
+
+
+def compiled(model, backend: str, inner: str):
+    """A copy of ``model`` with each transformer block compiled (``nn.Module.compile``)."""
+    model = copy.deepcopy(model)
+    for block in model.transformer_blocks:
+        if backend == "adaptiveload":
+            block.compile(backend="adaptiveload", options={"inner": inner})
+        else:
+            block.compile(backend=inner)
+    return model
+
+
+def grads_of(model, inputs, target) -> dict:
+    model.zero_grad(set_to_none=True)
+    step(model, inputs, target)
+    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def grad_errors(grads: dict, ref: dict) -> dict:
+    return {n: ((g - ref[n]).norm() / ref[n].norm().clamp_min(1e-30)).item() for n, g in grads.items()}
+
+
+def timed(model, inputs, target, args) -> dict:
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    for _ in range(args.warmup):
+        model.zero_grad(set_to_none=True)
+        step(model, inputs, target)
+    sync()
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        model.zero_grad(set_to_none=True)
+        sync()
+        t0 = time.perf_counter()
+        step(model, inputs, target)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
+    return {"step_ms": statistics.median(times), "step_ms_all": times, "peak_gib": peak}
+
+
+def run_shape(B, S, args) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    base = build(args, torch.bfloat16)
+    inputs32 = make_inputs(B, S, args, gen)
+    target = torch.randn(B, S, 128, generator=gen).to(args.device)
+    ref_model = copy.deepcopy(base).float()
+    ref = grads_of(ref_model, inputs32, target)
+    del ref_model
+    inputs = cast(inputs32, torch.bfloat16)
+    row = {"B": B, "S": S, "grid": frames_hw(S)}
+    for name, backend in (("inductor", "inductor"), ("adaptiveload", "adaptiveload")):
+        torch._dynamo.reset()
+        model = compiled(base, backend, args.inner)
+        with collect_reports() as reports:
+            timing = timed(model, inputs, target, args)
+        timing["chains_fused"] = sum(r.fused for r in reports)
+        errors = grad_errors(grads_of(model, inputs, target), ref)
+        worst = max(errors, key=errors.get)
+        row[name] = {**timing, "grad_rel_err_max": errors[worst], "grad_rel_err_worst_param": worst,
+                     "params_within_5pct": sum(e <= 0.05 for e in errors.values()), "params": len(errors)}
+        print(f"B={B} S={S} {name}: {timing['chains_fused']} chains fused, {timing['step_ms']:.2f} ms, peak {timing['peak_gib']:.2f} GiB, "
+              f"grad err max {errors[worst]:.2e} ({worst}), within 5%: {row[name]['params_within_5pct']}/{len(errors)}",
+              flush=True)
+        del model
+    row["time_ratio"] = row["inductor"]["step_ms"] / row["adaptiveload"]["step_ms"]
+    return row
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# LTX-Video training step on {doc['device']} (torch {doc['torch']}, {doc['date']})", "",
+             f"Command: `{doc['command']}`", "",
+             f"hidden {doc['hidden']}, {doc['layers']} layers, bf16, each block compiled; gradients against fp32 eager.",
+             "", "| B | S | chains fused | backend ms | Inductor ms | Inductor / backend | peak GiB backend / Inductor | "
+             "grad err max backend / Inductor | params within 5% backend / Inductor |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        a, i = r["adaptiveload"], r["inductor"]
+        lines.append(f"| {r['B']} | {r['S']} | {a['chains_fused']} | {a['step_ms']:.2f} | {i['step_ms']:.2f} | {r['time_ratio']:.3f} | "
+                     f"{a['peak_gib']:.2f} / {i['peak_gib']:.2f} | {a['grad_rel_err_max']:.2e} / "
+                     f"{i['grad_rel_err_max']:.2e} | {a['params_within_5pct']}/{a['params']} / "
+                     f"{i['params_within_5pct']}/{i['params']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--caption-channels", type=int, default=256)
+    parser.add_argument("--shapes", nargs="+", default=["1x6144", "8x384"], help="BxS, S = frames x height x width")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"),
+                        help="the compiler after the backend's rewrite, and the baseline's")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--tag", default="h200", help="results file name: ltx_step_<tag>.json / .md")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_ltx_step: no CUDA GPU (use --device cpu for a check that it runs)", file=sys.stderr)
+        return 1
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
+    rows = [run_shape(B, S, args) for B, S in shapes]
+    doc = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["python", "benchmarks/bench_ltx_step.py", *(argv if argv is not None else sys.argv[1:])]),
+           "hidden": args.hidden, "layers": args.layers, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"ltx_step_{args.tag}"
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    text = markdown(doc)
+    stem.with_suffix(".md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
