@@ -6,7 +6,8 @@ For each (B, S) of ``--shapes`` (S = frames x height x width tokens of 128 laten
 
 * the chains the backend fused (``collect_reports``: norm1 and norm2 of a block; the blocks share one
   compiled graph, so 2);
-* step time: median of ``--steps`` timed steps (forward, an MSE loss, backward; CUDA events) after
+* step time: median of ``--steps`` timed steps (forward, an MSE loss, backward; wall clock between
+  device synchronizations) after
   ``--warmup`` steps (the first compiles), and the peak memory of the timed steps
   (``torch.cuda.max_memory_allocated``);
 * gradients: for every parameter the relative error ||g - g_ref|| / ||g_ref|| of its gradient (one

@@ -20,6 +20,8 @@
 #              16384; x of 512 MiB; default settings)
 #   rms        benchmarks/bench_rms_norm.py (rms_norm_modulate: op times against SoL, determinism,
 #              accuracy against Inductor; RMS_ARGS) -> $OUT/rms_norm_${RMS_TAG:-h200}.json / .md
+#   ltx        benchmarks/bench_ltx_step.py (diffusers LTX-Video training step, backend vs Inductor; needs
+#              diffusers as a wheel in .whl; LTX_ARGS) -> $OUT/ltx_step_${LTX_TAG:-h200}.json / .md
 #   ab         kernel_stages.py ${AB_STAGE:-ab} (ab: kernel timings; host: host time a call) for AB_BASE
 #              (a folder with another version's adaptiveload/ and csrc/, built into its own cache beside
 #              this one's) and for this checkout, in turn three times -> $OUT/ab.log
@@ -106,6 +108,11 @@ if want rms; then
   timeout ${RMS_TIMEOUT:-240} python3 benchmarks/bench_rms_norm.py --out "$OUT" --tag "${RMS_TAG:-h200}" ${RMS_ARGS:-} \
     >"$OUT/rms.log" 2>&1
   echo "rms: exit $?"; cat "$OUT/rms.log"
+fi
+if want ltx; then
+  timeout ${LTX_TIMEOUT:-400} python3 benchmarks/bench_ltx_step.py --out "$OUT" --tag "${LTX_TAG:-h200}" ${LTX_ARGS:-} \
+    >"$OUT/ltx.log" 2>&1
+  echo "ltx: exit $?"; tail -8 "$OUT/ltx.log"
 fi
 if want host; then
   timeout 240 python3 benchmarks/kernel_stages.py host >"$OUT/host.log" 2>&1
