@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import statistics
 import sys
 import time
@@ -35,6 +33,7 @@ from pathlib import Path
 import torch
 
 from adaptiveload.fxfuse import collect_reports
+from results_file import run_context, write_json_and_markdown
 
 
 def build(args, dtype) -> torch.nn.Module:
@@ -180,15 +179,10 @@ def main(argv=None) -> int:
         return 1
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
     rows = [run_shape(B, S, args) for B, S in shapes]
-    doc = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["python", "benchmarks/bench_ltx_step.py", *(argv if argv is not None else sys.argv[1:])]),
+    doc = {**run_context(__file__, argv), "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "hidden": args.hidden, "layers": args.layers, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"ltx_step_{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     text = markdown(doc)
-    stem.with_suffix(".md").write_text(text + "\n")
+    write_json_and_markdown(str(args.out), f"ltx_step_{args.tag}", doc, text)
     print(text)
     return 0
 

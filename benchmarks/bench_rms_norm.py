@@ -19,8 +19,6 @@ Usage: python benchmarks/bench_rms_norm.py [--B 1] [--N 65536] [--D 2048 3072 40
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 from pathlib import Path
@@ -29,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from bench_adaln import copy_bandwidth
+from results_file import run_context, write_json_and_markdown
 
 EPS = 1e-6
 FWD_TARGET, BWD_TARGET = 0.85, 0.75
@@ -164,15 +163,10 @@ def main(argv=None) -> int:
                     acc.append({"D": D, "layout": layout, "shift": shift, "errors": errors})
                     print(f"accuracy D={D} {layout} shift={shift}: " + ", ".join(
                         f"{k} {v['fused']:.2e}/{v['inductor']:.2e}" for k, v in errors.items()), flush=True)
-    doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["python", "benchmarks/bench_rms_norm.py", *(argv if argv is not None else sys.argv[1:])]),
+    doc = {**run_context(__file__, argv), "gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda,
            "copy_tb_s": bw / 1e12, "acc_N": args.acc_N, "rows": rows, "accuracy": acc}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"rms_norm_{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     text = markdown(doc)
-    stem.with_suffix(".md").write_text(text + "\n")
+    write_json_and_markdown(str(args.out), f"rms_norm_{args.tag}", doc, text)
     print(text)
     return 0
 
