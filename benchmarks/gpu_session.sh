@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lent-GPU session for the fused ops (see /work/.library/device): install, build the kernels,
+# One GPU session for the fused ops (a machine with torch and nvcc; results under $OUT): install, build the kernels,
 # then the GPU tests and the sanitizer (on the second GPU, alongside the benchmark on the first; one
 # after the other on a one-GPU machine), writing logs and results under $OUT. Stages, run in this order:
 #   build      adaptiveload build (always done first when any other stage is given)
