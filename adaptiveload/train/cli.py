@@ -31,7 +31,10 @@ MODEL_CONTRACT = (
     "num_layers for --activation-checkpointing auto; its repeated transformer blocks in .blocks (an "
     "nn.ModuleList: each block is compiled and FSDP2-sharded on its own; else the longest ModuleList is "
     "used), and without such blocks a set_activation_checkpointing(bool) method. Leave its own activation "
-    "checkpointing off: the step checkpoints inside each block. A model whose config.patch_size is an int "
+    "checkpointing off: the step checkpoints inside each block. For --policy packed it also needs "
+    "forward_packed(tokens [sum S, C*pt*ph*pw], timestep [n], context [n, L, text_dim], grid [n, 3], cu_seqlens "
+    "int32 [n + 1]) -> tokens of the same layout, the reference model's contract (adaptiveload.models.packed). "
+    "A model whose config.patch_size is an int "
     "(diffusers' Flux, HunyuanVideo, CogVideoX) needs a wrapper that takes and returns [B, C, T, H, W] and "
     "has a (pt, ph, pw) patch_size: adaptiveload/train/diffusers_wan.py is one, for diffusers' Wan.")
 
@@ -195,7 +198,8 @@ def add_commands(subparsers) -> None:
                      metavar="{" + ",".join(POLICIES) + "}",
                      help="batching policy: equal_token (B = M_mem/S), dual (the dual-constraint rule), cost_grouped "
                           "(dual, and each step's batches of similar cost), packed (packs of samples of different "
-                          "lengths; needs a model with a forward_packed method)")
+                          "lengths, balanced per rank; needs a model with a forward_packed method, as the "
+                          "reference presets have)")
     run.add_argument("--sampler", dest="sampler", choices=("dual", "equal"), action=deprecated_flag("--policy"))
     run.add_argument("--calibration", default=None,
                      help="calibration.json or a built-in name (default: a quick calibration with the run's own step)")

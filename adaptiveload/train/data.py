@@ -26,10 +26,13 @@ type; CPU and CUDA draws differ.
 schedule of Esser et al. 2024 ("Scaling Rectified Flow Transformers", §3.1, m = 0, s = 1), which
 weights middle noise levels; ``"uniform"`` draws σ ~ U(0, 1) (plain rectified flow).
 
-:func:`collate` stacks samples of one latent shape into a :class:`Batch`.
+:func:`collate` stacks samples of one latent shape into a :class:`Batch`; :func:`collate_pack` puts
+samples of any shapes into one :class:`PackBatch` (policy ``packed``), their latents and noise
+patchified and concatenated into one token sequence.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -38,6 +41,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from adaptiveload.models.packed import patchify_packed
+from adaptiveload.sched.packing import PackedBatch, collate_packed
 from adaptiveload.train.step import InputSpec
 
 SIGMA_SAMPLING = ("logit_normal", "uniform")
@@ -300,18 +305,87 @@ def collate(samples: Sequence[dict], text_len: Optional[int] = None) -> Batch:
     if len(shapes) > 1:
         listing = ", ".join(f"{s['index']}: {list(s['latents'].shape[1:])}" for s in samples)
         raise ValueError(f"collate: a batch must hold one latent shape, got samples {listing}")
-    length = text_len or max(int(s["context"].shape[0]) for s in samples)
-    longer = [s["index"] for s in samples if s["context"].shape[0] > length]
-    if longer:
-        raise ValueError(f"collate: text embeddings of samples {longer} are longer than {length} tokens")
     return Batch(
         indices=torch.tensor([s["index"] for s in samples], dtype=torch.int64),
         latents=torch.stack([s["latents"] for s in samples]),
-        context=torch.stack([torch.nn.functional.pad(s["context"], (0, 0, 0, length - s["context"].shape[0]))
-                             for s in samples]),
+        context=_stack_text(samples, text_len, "collate"),
         noise=torch.stack([s["noise"] for s in samples]),
         sigma=torch.stack([s["sigma"] for s in samples]),
     )
+
+
+def _stack_text(samples: Sequence[dict], text_len: Optional[int], caller: str) -> Tensor:
+    """[n, L, text_dim]: the items' text embeddings zero-padded at the end to ``text_len`` tokens
+    (default: the longest); ValueError naming the samples whose text is longer."""
+    length = text_len or max(int(s["context"].shape[0]) for s in samples)
+    longer = [s["index"] for s in samples if s["context"].shape[0] > length]
+    if longer:
+        raise ValueError(f"{caller}: text embeddings of samples {longer} are longer than {length} tokens")
+    return torch.stack([torch.nn.functional.pad(s["context"], (0, 0, 0, length - s["context"].shape[0]))
+                        for s in samples])
+
+
+@dataclass
+class PackBatch:
+    """Samples of any latent shapes as one token sequence (a pack), for a model's ``forward_packed``.
+
+    Attributes:
+        indices: int64 [n] sample indices, in pack order (samples of one shape adjacent).
+        tokens: [sum S_i, C*pt*ph*pw] clean latents, patchified (:func:`~adaptiveload.models.packed.patchify_packed`).
+        noise: [sum S_i, C*pt*ph*pw] ε, patchified the same way.
+        context: [n, L, text_dim] (zero-padded to one L); sigma: [n].
+        grid: int64 [n, 3] tokens per axis of each sample (CPU).
+        layout: the :class:`~adaptiveload.sched.packing.PackedBatch` (``cu_seqlens`` int32 [n + 1],
+            ``segment_ids`` int32 [sum S_i], ``latent_shapes`` int64 [n, 3], ``max_seqlen``; CPU).
+    """
+
+    indices: Tensor
+    tokens: Tensor
+    noise: Tensor
+    context: Tensor
+    sigma: Tensor
+    grid: Tensor
+    layout: PackedBatch
+
+    def __len__(self) -> int:
+        return int(self.indices.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the pack, ``sum S_i``."""
+        return int(self.tokens.shape[0])
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """(T, H, W) of the pack's longest sample (what a failure message names)."""
+        longest = int(torch.argmax(self.grid.prod(dim=1)))
+        return tuple(int(v) for v in self.layout.latent_shapes[longest])
+
+    def pin_memory(self) -> "PackBatch":
+        """Page-locked copies of the tensors the step moves to the GPU."""
+        return dataclasses.replace(self, tokens=self.tokens.pin_memory(), noise=self.noise.pin_memory(),
+                                   context=self.context.pin_memory(), sigma=self.sigma.pin_memory())
+
+
+def collate_pack(samples: Sequence[dict], patch_size: tuple, text_len: Optional[int] = None) -> PackBatch:
+    """Put dataset items of any latent shapes into one :class:`PackBatch`: ordered by shape (so
+    samples of one shape are adjacent: the attention groups them without copies), latents and noise
+    patchified with ``patch_size``, text padded as in :func:`collate`.
+
+    Raises:
+        ValueError: an empty list, a shape not divisible by the patch (naming the sample), or a text
+            embedding longer than ``text_len``.
+    """
+    if not samples:
+        raise ValueError("collate_pack: empty pack")
+    samples = sorted(samples, key=lambda item: tuple(item["latents"].shape))
+    layout = collate_packed([{"index": item["index"], "latents": item["latents"]} for item in samples],
+                            patch_size=patch_size)
+    tokens, grid, _ = patchify_packed([item["latents"] for item in samples], patch_size)
+    noise, _, _ = patchify_packed([item["noise"] for item in samples], patch_size)
+    return PackBatch(torch.tensor([item["index"] for item in samples], dtype=torch.int64), tokens, noise,
+                     _stack_text(samples, text_len, "collate_pack"), torch.stack([item["sigma"] for item in samples]),
+                     grid, layout)
 
 
 def synthetic_batch(
@@ -324,3 +398,10 @@ def synthetic_batch(
     shapes = np.tile(np.asarray(latent_shape, dtype=np.int64), (batch_size, 1))
     dataset = LatentDataset(shapes, spec, seed=seed, device=device)
     return collate([dataset[i] for i in range(batch_size)])
+
+
+def synthetic_pack(spec: InputSpec, latent_shapes, seed: int = 0, device: torch.device | str = "cpu") -> PackBatch:
+    """A random pack of samples of the given latent shapes ([n, 3]; warm-up), drawn like
+    :func:`synthetic_batch` with sample indices ``0..n-1``."""
+    dataset = LatentDataset(latent_shapes, spec, seed=seed, device=device)
+    return collate_pack([dataset[i] for i in range(len(dataset))], spec.patch_size, spec.text_len)

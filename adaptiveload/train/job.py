@@ -205,7 +205,7 @@ def train_run(cfg: JobConfig, run: RunSpec, data: JobData, ctx: DistContext, cal
                                   activation_checkpointing=cfg.activation_checkpointing,
                                   max_seq_len=int(corpus.seq_lens.max()))
     progress = ctx.is_main and not cfg.quiet
-    result = RunResult(name=run.name, backend=step_config.describe(), policy=run.policy, model=info.to_json(),
+    result = RunResult(corpus.seq_lens, name=run.name, backend=step_config.describe(), policy=run.policy, model=info.to_json(),
                        world_size=ctx.world_size, device=device_description(ctx.device))
     files = (SampleFiles(corpus.latent_paths, corpus.text_paths, spec, corpus.source)
              if corpus.latent_paths is not None else None)
@@ -227,7 +227,7 @@ def train_run(cfg: JobConfig, run: RunSpec, data: JobData, ctx: DistContext, cal
         plan = resolve_plan(data.plan, corpus, calibration, ctx, run.policy, memory_budget_gb=cfg.memory_budget_gb,
                             m_mem=cfg.m_mem, drop_oversized=cfg.drop_oversized)
         sampler = make_sampler(run.policy, plan, corpus, ctx, cfg.seed)
-        failure = warm_up(step, spec, sampler, ctx, progress)  # before a resume loads optimizer state (frozen_weights clears it)
+        failure = warm_up(step, spec, sampler, ctx, progress, corpus.latent_shapes)  # before a resume loads optimizer state (frozen_weights clears it)
         result.planned(plan, sampler, time.perf_counter() - start)
         # synthetic samples without worker processes are drawn on the training device (data module docstring)
         dataset = LatentDataset(corpus.latent_shapes, spec, seed=cfg.seed, loader=files,

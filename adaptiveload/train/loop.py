@@ -3,7 +3,10 @@
 Per step every rank fetches its batch, the ranks agree on the global sample count (the loss is
 normalised by it), train, and then exchange one row each (:class:`StepRow`): status, wall time, busy
 time (every ``profile_every``-th step, over the control group; see :mod:`adaptiveload.train.metrics`),
-loss, whether Dynamo compiled during the step, and the batch's B, S and latent shape.
+loss, whether Dynamo compiled during the step, and the batch's B, S, latent shape and tokens. A pack
+(policy ``packed``) records its n samples as B, its longest sample's S and shape, and its tokens
+``sum S_i``; a padding pack (loss weight 0, :meth:`~adaptiveload.sched.packing.PackingSampler.loss_weight`)
+counts as 0 samples and 0 tokens and records no indices.
 
 Failure protocol: a step that fails on any rank (a batch that could not be loaded -- e.g. a missing
 or mismatched sample file --, out of memory in a bucket, an exception, a non-finite loss or gradient,
@@ -15,7 +18,9 @@ records them and stops. When the failure looks like a known compiler bug, :func:
 adds a line naming it.
 
 Compile happens before timing (:func:`warm_up`): one frozen-weight step per kind of batch the
-sampler yields (:func:`warm_up_batches`); a step that compiled anyway is flagged (``compiled``).
+sampler yields (:func:`warm_up_batches`), or, for packs, on the largest and the smallest pack of
+epoch 0 and a one-sample pack (:func:`warm_up_packs`: the compiled blocks see every pack through
+the same graphs); a step that compiled anyway is flagged (``compiled``).
 """
 from __future__ import annotations
 
@@ -32,8 +37,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from adaptiveload.sched.sampler import DualConstraintBucketSampler
-from adaptiveload.train.data import Batch, SampleError, collate, sample_error_message, synthetic_batch
+from adaptiveload.sched.packing import EpochPacking, PackingSampler
+from adaptiveload.sched.sampler import EpochBatchSampler
+from adaptiveload.train.data import (Batch, PackBatch, SampleError, collate, collate_pack, sample_error_message,
+                                     synthetic_batch, synthetic_pack)
 from adaptiveload.train.distributed import DistContext
 from adaptiveload.train.metrics import busy_time_s
 from adaptiveload.train.step import NonFiniteStep, StepConfig, TrainStep
@@ -50,9 +57,11 @@ INDUCTOR_GRADIENT_BUG_RELEASES = ((2, 10), (2, 11))  # torch releases of pytorch
 class StepRow:
     """Columns of the row every rank contributes per step (:func:`one_step`): status (0 ok, 1 out of
     memory, 2 failed, 3 timed out waiting, 4 non-finite, 5 batch not loaded), wall s, busy s, loss,
-    compiled (0/1), B, S, latent T, H, W."""
+    compiled (0/1), B, S, latent T, H, W, tokens (module docstring: a pack's B is its sample count,
+    its S and shape the longest sample's)."""
     status, wall, busy, loss, compiled, batch_size, seq_len = range(7)
     latent_shape = slice(7, 10)
+    tokens = 10
 
 
 class StepFailed(RuntimeError):
@@ -151,37 +160,39 @@ def _fetch(batches: Iterator[Batch]) -> tuple[Optional[Batch], str]:
         return None, f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
 
 
-def one_step(step: TrainStep, batches: Iterator[Batch], ctx: DistContext, index: int,
-             profile: bool) -> tuple[dict, Optional[str]]:
+def one_step(step: TrainStep, batches: Iterator, ctx: DistContext, index: int, profile: bool,
+             weight: float = 1.0) -> tuple[dict, Optional[str]]:
     """Fetch, agree on the global sample count (and that every rank has its batch), train, agree on
-    the outcome.
+    the outcome. ``weight``: this rank's loss weight (0 for a padding pack, module docstring).
 
     Returns:
-        ``(record, None)`` with the step's record (every rank's B, S and sample indices, the slowest
-        rank's wall time, busy time per rank when profiled, the mean loss, ``compiled``), or
+        ``(record, None)`` with the step's record (every rank's B, S, tokens and sample indices, the
+        slowest rank's wall time, busy time per rank when profiled, the mean loss, ``compiled``), or
         ``({}, message)`` when the step failed on some rank (:func:`failure_message`); when a rank
         could not load its batch, no rank trains.
     """
     start = time.perf_counter()
     batch, message = _fetch(batches)
     shape = batch.latent_shape if batch is not None else (0, 0, 0)
-    size = len(batch) if batch is not None else 0
+    size = len(batch) if batch is not None and weight > 0 else 0
     seq_len = int(np.prod(shape)) // int(np.prod(step_patch(step)))
-    agreed = ctx.all_gather([size, size * seq_len, float(batch is None)])
+    tokens = (batch.num_tokens if isinstance(batch, PackBatch) else size * seq_len) if size else 0
+    agreed = ctx.all_gather([size, tokens, float(batch is None)])
     counts = agreed[:, :2].sum(axis=0)
     status, loss, profiler = (5 if batch is None else 0), float("nan"), None
     loaded = not agreed[:, 2].any()  # else no rank trains this step
     graphs_before = compiled_graphs()
+    step_args = (batch, int(counts[0])) + (() if weight == 1.0 else (weight,))  # the weight only for a padding pack
     try:
         if loaded and profile:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if step.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             with torch.profiler.profile(activities=activities) as profiler:
-                loss = float(step(batch, int(counts[0])))
+                loss = float(step(*step_args))
                 step.synchronize()
         elif loaded:
-            loss = float(step(batch, int(counts[0])))
+            loss = float(step(*step_args))
             step.synchronize()
     except NonFiniteStep as err:
         status, message = 4, str(err)
@@ -197,7 +208,7 @@ def one_step(step: TrainStep, batches: Iterator[Batch], ctx: DistContext, index:
     wall = time.perf_counter() - start
     busy = busy_time_s(profiler, step.device, wall) if profiler is not None and status == 0 else float("nan")
     compiled = compiled_graphs() > graphs_before
-    rows = ctx.all_gather([status, wall, busy, loss, float(compiled), size, seq_len, *shape]).numpy()
+    rows = ctx.all_gather([status, wall, busy, loss, float(compiled), size, seq_len, *shape, tokens]).numpy()
     if rows[:, StepRow.status].max() > 0:
         return {}, failure_message(rows, ctx.all_gather_object(message), index)
     return {
@@ -208,7 +219,8 @@ def one_step(step: TrainStep, batches: Iterator[Batch], ctx: DistContext, index:
         "compiled": bool(rows[:, StepRow.compiled].any()),  # a rank compiled a graph here (its time counts)
         "batch_sizes": rows[:, StepRow.batch_size].astype(int).tolist(),
         "seq_lens": rows[:, StepRow.seq_len].astype(int).tolist(),
-        "indices": ctx.all_gather_object(batch.indices.tolist()),
+        "tokens": rows[:, StepRow.tokens].astype(int).tolist(),
+        "indices": ctx.all_gather_object(batch.indices.tolist() if size else []),
     }, None
 
 
@@ -230,17 +242,40 @@ def warm_up_batches(bucket_keys: np.ndarray, batch_kinds: np.ndarray) -> list[tu
     return sorted(batches, key=lambda b: (b[0] * int(np.prod(b[1])), b))
 
 
-def warm_up(step: TrainStep, spec, sampler: DualConstraintBucketSampler, ctx: DistContext,
-            progress: bool) -> Optional[str]:
-    """Compile before timing: one frozen-weight step per batch of :func:`warm_up_batches`, with a
-    progress bar when ``progress``.
+def warm_up_packs(packing: EpochPacking, latent_shapes: np.ndarray) -> list[np.ndarray]:
+    """Packs that compile, before timing, every graph a packed run needs: latent shapes [n, 3] of the
+    epoch's pack of most tokens, of its pack of fewest, and of the one-sample padding pack (distinct
+    ones, fewest tokens first). The compiled blocks take every pack through the same graphs (ΣS and
+    the boundaries are dynamic sizes); the largest pack also meets Inductor's size thresholds first.
+
+    Args:
+        packing: :meth:`PackingSampler.epoch_plan` of epoch 0.
+        latent_shapes: int [num_samples, 3] of the corpus.
+    """
+    tokens = np.add.reduceat(packing.seq_lens[packing.order].astype(np.int64), packing.pack_start)
+    packs = [packing.order[packing.pack_start[k]:packing.pack_start[k] + packing.pack_size[k]]
+             for k in {int(np.argmax(tokens)), int(np.argmin(tokens))}]
+    packs.append(np.array([packing.padding_sample]))
+    distinct = {tuple(map(tuple, np.asarray(latent_shapes)[p].tolist())): np.asarray(latent_shapes)[p] for p in packs}
+    return sorted(distinct.values(), key=lambda shapes: (int(shapes.prod(axis=1).sum()), len(shapes)))
+
+
+def warm_up(step: TrainStep, spec, sampler: EpochBatchSampler, ctx: DistContext, progress: bool,
+            latent_shapes: Optional[np.ndarray] = None) -> Optional[str]:
+    """Compile before timing: one frozen-weight step per batch of :func:`warm_up_batches` (a bucket
+    sampler) or per pack of :func:`warm_up_packs` (a :class:`PackingSampler`, which needs the
+    corpus's ``latent_shapes``), with a progress bar when ``progress``.
 
     Returns:
         ``None``, or the message of a warm-up step that failed on some rank (as for a training step:
         every rank stops; out of memory names the bucket and B).
     """
-    plan = warm_up_batches(sampler.bucket_keys, sampler.batch_kinds())
-    batches = (synthetic_batch(spec, batch_size, shape, device=step.device) for batch_size, shape in plan)
+    if isinstance(sampler, PackingSampler):
+        plan = warm_up_packs(sampler.epoch_plan(0), latent_shapes)
+        batches = (synthetic_pack(spec, shapes, device=step.device) for shapes in plan)
+    else:
+        plan = warm_up_batches(sampler.bucket_keys, sampler.batch_kinds())
+        batches = (synthetic_batch(spec, batch_size, shape, device=step.device) for batch_size, shape in plan)
     with step.frozen_weights(), tqdm(total=len(plan), desc="warm-up (compile)", unit="step",
                                      disable=not progress, leave=False) as bar:
         for index in range(len(plan)):
@@ -265,7 +300,7 @@ class LoopOptions:
     name: str
 
 
-def train_steps(step: TrainStep, sampler: DualConstraintBucketSampler, dataset, ctx: DistContext, state: RunState,
+def train_steps(step: TrainStep, sampler: EpochBatchSampler, dataset, ctx: DistContext, state: RunState,
                 options: LoopOptions, *, evaluate: Callable[[], float], on_eval: Callable[[], None],
                 save_checkpoint: Callable[[], None]) -> None:
     """Train from ``state`` (a fresh or resumed run) up to ``options.total_steps`` global steps,
@@ -273,14 +308,18 @@ def train_steps(step: TrainStep, sampler: DualConstraintBucketSampler, dataset, 
 
     ``evaluate()`` returns the loss of the fixed evaluation set; it runs every ``eval_every`` steps
     and at the last step, and ``on_eval()`` follows it on every rank (it may run collectives).
-    ``save_checkpoint()`` runs every ``checkpoint_every`` steps and at the last step.
+    ``save_checkpoint()`` runs every ``checkpoint_every`` steps and at the last step. A
+    :class:`PackingSampler`'s steps are packs (:func:`~adaptiveload.train.data.collate_pack`), each
+    weighted by its :meth:`~PackingSampler.loss_weight`.
 
     Raises:
         StepFailed: a step failed on some rank; ``state`` holds the steps before it.
     """
     steps_per_epoch = sampler.steps_per_epoch()
-    loader_kwargs = {"num_workers": options.workers,
-                     "collate_fn": functools.partial(collate, text_len=dataset.spec.text_len),
+    packed = isinstance(sampler, PackingSampler)
+    collate_fn = (functools.partial(collate_pack, patch_size=dataset.spec.patch_size, text_len=dataset.spec.text_len)
+                  if packed else functools.partial(collate, text_len=dataset.spec.text_len))
+    loader_kwargs = {"num_workers": options.workers, "collate_fn": collate_fn,
                      # batches made on the CPU (worker processes, sample files) go to the GPU from pinned memory
                      "pin_memory": ctx.device.type == "cuda" and dataset.device.type == "cpu"}
     bar = tqdm(total=options.total_steps, initial=state.step, desc=options.name, unit="step",
@@ -296,7 +335,8 @@ def train_steps(step: TrainStep, sampler: DualConstraintBucketSampler, dataset, 
             batches = iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **loader_kwargs))
             while state.step < options.total_steps and state.consumed_in_epoch < steps_per_epoch:
                 profile = options.profile_every > 0 and state.step % options.profile_every == 0
-                record, failure = one_step(step, batches, ctx, state.step, profile=profile)
+                weight = sampler.loss_weight(state.consumed_in_epoch) if packed else 1.0
+                record, failure = one_step(step, batches, ctx, state.step, profile=profile, weight=weight)
                 if failure is not None:
                     raise StepFailed(failure)
                 record["step"] = state.step

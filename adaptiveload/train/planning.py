@@ -6,7 +6,11 @@ Policies (:mod:`adaptiveload.sched.policies`):
 * ``dual`` / ``cost_grouped``: :meth:`DualConstraintBucketSampler.from_plan` with the plan made for
   this world size and policy;
 * ``equal_token``: the equal-token rule ``B = floor(M_mem_limit / S)`` at the plan's memory limit,
-  ranks drawing batches independently.
+  ranks drawing batches independently;
+* ``packed``: :class:`~adaptiveload.sched.packing.PackingSampler` (:func:`~adaptiveload.sched.packing.sampler_from_plan`),
+  packs of samples of different lengths for a model with ``forward_packed``. The quick calibration
+  still times bucketed batches: a pack's predicted time is the quadratic model summed per sample
+  (:meth:`~adaptiveload.sched.cost_model.CostModel.predict_packs`).
 """
 from __future__ import annotations
 
@@ -17,11 +21,12 @@ from typing import Optional
 import numpy as np
 
 from adaptiveload.sched.calibration import Calibration
+from adaptiveload.sched.packing import sampler_from_plan
 from adaptiveload.sched.manifest import Manifest
 from adaptiveload.sched.plan import Plan, make_plan
 from adaptiveload.sched.policies import step_order
 from adaptiveload.sched.presets import load_calibration
-from adaptiveload.sched.sampler import DualConstraintBucketSampler, bucket_tokens
+from adaptiveload.sched.sampler import DualConstraintBucketSampler, EpochBatchSampler, bucket_tokens
 from adaptiveload.train.calibrate import calibrate, calibration_grid
 from adaptiveload.train.distributed import DistContext
 from adaptiveload.train.setup import device_description, device_memory_bytes
@@ -172,9 +177,11 @@ def resolve_plan(plan: Optional[Plan], corpus: Manifest, calibration: Calibratio
                      drop_oversized=drop_oversized, policy=policy)
 
 
-def make_sampler(policy: str, plan: Plan, corpus, ctx: DistContext, seed: int) -> DualConstraintBucketSampler:
+def make_sampler(policy: str, plan: Plan, corpus, ctx: DistContext, seed: int) -> EpochBatchSampler:
     """The run's batch sampler for ``policy`` (see the module docstring)."""
     shapes = corpus.latent_shapes
+    if policy == "packed":
+        return sampler_from_plan(plan, shapes, num_replicas=ctx.world_size, rank=ctx.rank, seed=seed)
     if policy == "equal_token":
         return DualConstraintBucketSampler(shapes, m_mem=plan.m_mem_limit, num_replicas=ctx.world_size, rank=ctx.rank,
                                            seed=seed, policy="random", drop_oversized=plan.drop_oversized,

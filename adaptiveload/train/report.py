@@ -44,6 +44,8 @@ def _rows(run: dict) -> list[tuple[str, str]]:
         ("busy ms per rank (profiled)", " ".join(_fmt(b, "ms") for b in busy) or "-"),
         ("compute-load CV", _fmt(run.get("compute_load_cv"), "ratio")),
         ("idle fraction", _fmt(run.get("idle_fraction"), "ratio")),
+        ("step composition KS / lag-1 corr", f"{_fmt(run.get('composition_ks'), 'ratio')} / "
+                                            f"{_fmt(run.get('composition_lag1_corr'), 'ratio')}"),
         ("peak memory GiB (max rank)", _fmt(max(peaks) if peaks else None, "gib")),
         ("fused chains / seen / model sites",
          f"{run.get('fused_chains', 0)} / {run.get('seen_chains', 0)} / {run.get('model', {}).get('modulate_sites') or '-'}"),

@@ -4,7 +4,11 @@ run's measurements are summarised.
 Throughput is measured over the same samples for every run: tokens/s = global tokens of all steps ÷
 training wall time (data loading and the step; compile warm-up, evaluation and checkpointing
 excluded). Compute-load CV and idle fraction come from the profiled steps' busy time
-(:mod:`adaptiveload.train.metrics`). ``results.json`` is rewritten atomically after every
+(:mod:`adaptiveload.train.metrics`). Step composition (every policy): ``composition_ks``, the mean
+over steps of the KS statistic between the sequence lengths a step trained (all ranks) and the
+corpus's, and ``composition_lag1_corr``, the correlation of consecutive steps' mean length
+(:func:`~adaptiveload.sched.metrics.composition`, as ``adaptiveload simulate`` reports them).
+``results.json`` is rewritten atomically after every
 evaluation and at the end, so a run that fails keeps what it measured.
 """
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Optional
 import numpy as np
 
 from adaptiveload.jsonfile import write_json_atomic
+from adaptiveload.sched.metrics import composition
+from adaptiveload.sched.packing import PackingSampler
 from adaptiveload.train.distributed import DistContext
 from adaptiveload.train.loop import RunState, compiled_graphs
 from adaptiveload.train.metrics import load_balance, summarize
@@ -29,10 +35,21 @@ def _rate(records: list) -> float:
     return sum(r["global_tokens"] for r in records) / wall if wall > 0 else float("nan")
 
 
-def summarize_run(state: RunState, ctx: DistContext, peak_memory_bytes: int, total_steps: int) -> dict:
+def step_composition(history: list, seq_lens) -> dict:
+    """``composition_ks`` and ``composition_lag1_corr`` of the steps of ``history`` (module docstring;
+    NaN without steps), from each step's trained sample indices and the corpus's ``seq_lens`` [n]."""
+    steps = [(k, i) for k, h in enumerate(history) for rank in h["indices"] for i in rank]
+    if not steps:
+        return {"composition_ks": float("nan"), "composition_lag1_corr": float("nan")}
+    ks, lag1 = composition(*np.array(steps, dtype=np.int64).T, seq_lens)
+    return {"composition_ks": ks, "composition_lag1_corr": lag1}
+
+
+def summarize_run(state: RunState, ctx: DistContext, peak_memory_bytes: int, total_steps: int, seq_lens) -> dict:
     """A run's measurements so far: steps, tokens, tokens/s (all steps, and the unprofiled ones),
-    step-time statistics, busy time per rank, load balance, peak memory per rank (CUDA), eval loss
-    and the step history. A collective (peak memory is gathered): every rank calls it."""
+    step-time statistics, busy time per rank, load balance, step composition (against the corpus's
+    ``seq_lens``), peak memory per rank (CUDA), eval loss and the step history. A collective (peak
+    memory is gathered): every rank calls it."""
     history = state.history
     tokens = sum(r["global_tokens"] for r in history)
     samples = sum(r["global_samples"] for r in history)
@@ -48,6 +65,7 @@ def summarize_run(state: RunState, ctx: DistContext, peak_memory_bytes: int, tot
         "compile_steps": [r["step"] for r in history if r.get("compiled")],
         "busy_time_s_per_rank": busy.mean(axis=0).tolist() if busy.size else [],
         **load_balance(busy),
+        **step_composition(history, seq_lens),
         "peak_memory_bytes_per_rank": peaks if ctx.device.type == "cuda" else None,
         "eval_loss": [list(e) for e in state.evals],
         "final_eval_loss": state.evals[-1][1] if state.evals else float("nan"),
@@ -67,19 +85,23 @@ class RunResult:
     """One run's entry of ``results.json``: what was run (given at the start) and its measurements
     (refreshed by :meth:`update`)."""
 
-    def __init__(self, **settings):
+    def __init__(self, seq_lens, **settings):
+        """``seq_lens``: int [n] tokens of every corpus sample (for the step composition); ``settings``:
+        the entry's first fields (name, backend, policy, ...)."""
+        self.seq_lens = seq_lens
         self.data = {**settings, "status": "running"}
         self._graphs_at_start = compiled_graphs()
         self._graphs_warm = self._graphs_at_start
 
     def planned(self, plan, sampler, warmup_s: float) -> None:
-        """Record the plan and the sampler's batch sizes, and the end of compile warm-up (``warmup_s``
-        after the run started): graphs compiled after it count as compiled in training."""
+        """Record the plan and the sampler's batch sizes (None for packs), and the end of compile
+        warm-up (``warmup_s`` after the run started): graphs compiled after it count as compiled in
+        training."""
         self.data.update({
             "plan": {"m_mem": plan.m_mem, "m_mem_limit": plan.m_mem_limit, "step_budget_s": plan.step_budget_s,
                      "predicted": plan.predicted},
-            "batch_sizes": {"x".join(map(str, k)): int(b)
-                            for k, b in zip(sampler.bucket_keys.tolist(), sampler.bucket_batch_sizes.tolist())},
+            "batch_sizes": None if isinstance(sampler, PackingSampler) else
+            {"x".join(map(str, k)): int(b) for k, b in zip(sampler.bucket_keys.tolist(), sampler.bucket_batch_sizes.tolist())},
             "steps_per_epoch": sampler.steps_per_epoch(), "warmup_s": warmup_s, "status": "running",
         })
         self._graphs_warm = compiled_graphs()
@@ -94,7 +116,7 @@ class RunResult:
         evaluation, calibration: recompiles + 1), and ``compiled_graphs_in_training`` those compiled
         inside the timed loop (their time counts in tokens/s; ``compile_steps`` names the steps), the
         most on any rank."""
-        self.data.update(summarize_run(state, ctx, peak_memory_bytes, total_steps))
+        self.data.update(summarize_run(state, ctx, peak_memory_bytes, total_steps, self.seq_lens))
         self.data.update(status=status, error=error, hint=hint, **fusion)
         now = compiled_graphs()
         counts = ctx.all_gather([now - self._graphs_at_start, now - self._graphs_warm]).max(dim=0).values

@@ -16,6 +16,15 @@ and §3.1): for clean latents x0, noise ε ~ N(0, I) and a noise level σ in (0,
 σ is drawn per sample by the dataset (:mod:`adaptiveload.train.data`), so a sample's noise does not
 depend on which rank or batch it lands in.
 
+Packs (policy ``packed``, a :class:`~adaptiveload.train.data.PackBatch`): the model's
+``forward_packed`` runs the pack's samples as one token sequence (:func:`packed_flow_matching_loss`:
+the same per-sample loss, each sample's mean over its own (C, T, H, W)), and a pack's loss is
+multiplied by its weight: 0 for a padding pack (a rank without samples in an epoch's last step
+trains one sample that counts nowhere, :meth:`~adaptiveload.sched.packing.PackingSampler.loss_weight`),
+so ``N_global`` counts the samples of weight 1. The blocks see ``[1, sum S, dim]`` and int32
+boundaries ``[n + 1]``, all marked dynamic: a new pack composition does not recompile (attention is
+an opaque op, :mod:`adaptiveload.models.packed`).
+
 Unequal batches across ranks: each rank's loss is ``W · Σ_local loss(sample) / N_global`` where
 ``N_global`` is the number of samples in the whole step (all ranks, all-reduced by the caller).
 FSDP2 averages gradients over the W ranks, so the applied gradient is ``Σ_all ∇loss(sample) /
@@ -51,9 +60,9 @@ BACKENDS = ("adaptiveload", "inductor", "aot_eager", "eager")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
 try:  # torch >= 2.6 exports FSDP2 here; older releases keep it under _composable
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 except ImportError:  # pragma: no cover - depends on the torch release
-    from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed._composable.fsdp import fully_shard, register_fsdp_forward_method
 
 
 class NonFiniteStep(RuntimeError):
@@ -234,6 +243,30 @@ def flow_matching_loss(model, latents: Tensor, context: Tensor, noise: Tensor, s
     return (prediction.float() - target.float()).pow(2).flatten(1).mean(dim=1)
 
 
+def packed_flow_matching_loss(forward_packed, tokens: Tensor, context: Tensor, noise: Tensor, sigma: Tensor,
+                              grid: Tensor, cu_seqlens: Tensor, segment_ids: Tensor) -> Tensor:
+    """Per-sample rectified-flow loss of a pack (:func:`flow_matching_loss` for samples of different shapes).
+
+    Args:
+        forward_packed: called as ``forward_packed(x_sigma_tokens, timestep [n], context, grid, cu_seqlens)``
+            (:meth:`~adaptiveload.models.WanDiT.forward_packed`), returning tokens shaped like its input.
+        tokens, noise: clean latents x0 and ε, patchified: [sum S_i, F] (F = C*pt*ph*pw).
+        context: [n, L, text_dim]; sigma: [n] noise levels in (0, 1).
+        grid: int [n, 3] tokens per axis; cu_seqlens: int32 [n + 1]; segment_ids: int [sum S_i], the
+            sample of every token (on the tokens' device).
+
+    Returns:
+        float32 [n]: each sample's mean over its S_i * F values of ``(v - (ε - x0))²``.
+    """
+    s = sigma.to(tokens.dtype)[segment_ids].unsqueeze(1)
+    noisy = (1 - s) * tokens + s * noise
+    prediction = forward_packed(noisy, 1000.0 * sigma.float(), context, grid, cu_seqlens)
+    squared = (prediction.float() - (noise - tokens).float()).pow(2).sum(dim=1)  # [sum S]
+    sums = squared.new_zeros(sigma.shape[0]).index_add_(0, segment_ids, squared)
+    values = torch.diff(cu_seqlens).to(device=sums.device, dtype=torch.float32) * tokens.shape[1]
+    return sums / values
+
+
 def checkpoint_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
     """Activation checkpointing of every block, taken inside the block's ``forward``.
 
@@ -283,7 +316,8 @@ def _block_inputs_dynamic(module, args):
     """Forward pre-hook of a compiled block: contiguous tensor inputs (also inside tuples and lists,
     e.g. diffusers' rotary (cos, sin)) with every dim but the channel (last) dim marked dynamic, so
     every block and every bucket reuse the same graphs (the first block otherwise receives a
-    transposed view from the patch embedding, the others do not)."""
+    transposed view from the patch embedding, the others do not); 1-D integer inputs (a pack's
+    boundaries ``cu_seqlens`` [n + 1]) have their one dim marked dynamic, so packs of any n share them."""
 
     def prepare(arg):
         if isinstance(arg, (tuple, list)):
@@ -291,6 +325,8 @@ def _block_inputs_dynamic(module, args):
         if isinstance(arg, Tensor) and arg.dim() >= 2:
             arg = arg.contiguous()
             torch._dynamo.maybe_mark_dynamic(arg, list(range(arg.dim() - 1)))
+        elif isinstance(arg, Tensor) and arg.dim() == 1 and not arg.is_floating_point():
+            torch._dynamo.maybe_mark_dynamic(arg, 0)
         return arg
 
     return prepare(tuple(args))
@@ -348,6 +384,8 @@ class TrainStep:
                 fully_shard(block)
         if self.sharded:
             fully_shard(self.module)
+            if callable(getattr(self.module, "forward_packed", None)):  # FSDP2 hooks on it too (root all-gather)
+                register_fsdp_forward_method(self.module, "forward_packed")
         self.compiled = self.module if blocks else self._compile(self.module)
         self.regions = len(blocks) or 1
         self.optimizer = torch.optim.AdamW(
@@ -393,25 +431,40 @@ class TrainStep:
         torch._dynamo.maybe_mark_dynamic(context, 0)
         return self.compiled(latents, timestep, context)
 
-    def forward_backward(self, batch, global_num_samples: int) -> Tensor:
+    def _pack_loss(self, pack) -> Tensor:
+        """Per-sample losses [n] of a :class:`~adaptiveload.train.data.PackBatch` through the model's
+        ``forward_packed`` (its blocks compiled; the boundaries stay on the CPU, read on the host)."""
+        to = dict(device=self.device, non_blocking=True)
+        tokens, context, noise, sigma = (t.to(**to) for t in (pack.tokens, pack.context, pack.noise, pack.sigma))
+        with _distinct_symbols(), self.autocast():
+            return packed_flow_matching_loss(self.module.forward_packed, tokens, context, noise, sigma, pack.grid,
+                                             pack.layout.cu_seqlens, pack.layout.segment_ids.to(**to))
+
+    def forward_backward(self, batch, global_num_samples: int, weight: float = 1.0) -> Tensor:
         """Forward, loss and backward for this rank's batch; gradients accumulate into ``.grad``.
 
         Args:
-            batch: a :class:`adaptiveload.train.data.Batch` (one latent shape).
-            global_num_samples: samples in the whole step, summed over ranks (the loss normaliser).
+            batch: a :class:`adaptiveload.train.data.Batch` (one latent shape) or a
+                :class:`adaptiveload.train.data.PackBatch` (a pack, for a model with ``forward_packed``).
+            global_num_samples: samples of weight 1 in the whole step, summed over ranks (the loss normaliser).
+            weight: 1, or 0 for a padding pack (its backward runs, its gradients are zero).
 
         Returns:
-            float32 scalar (detached): the sum of this rank's per-sample losses.
+            float32 scalar (detached): ``weight`` times the sum of this rank's per-sample losses.
 
         Raises:
-            ValueError: ``global_num_samples`` smaller than this rank's batch.
+            ValueError: ``global_num_samples`` smaller than this rank's counted samples.
         """
-        if global_num_samples < len(batch):
-            raise ValueError(f"global_num_samples {global_num_samples} < this rank's batch size {len(batch)}")
-        latents, context, noise, sigma = self._inputs(batch)
-        with _distinct_symbols(), self.autocast():
-            per_sample = flow_matching_loss(self._call_compiled, latents, context, noise, sigma)
-        loss_sum = per_sample.sum()
+        counted = len(batch) if weight > 0 else 0
+        if global_num_samples < counted:
+            raise ValueError(f"global_num_samples {global_num_samples} < this rank's batch size {counted}")
+        if hasattr(batch, "layout"):  # a PackBatch
+            per_sample = self._pack_loss(batch)
+        else:
+            latents, context, noise, sigma = self._inputs(batch)
+            with _distinct_symbols(), self.autocast():
+                per_sample = flow_matching_loss(self._call_compiled, latents, context, noise, sigma)
+        loss_sum = per_sample.sum() * weight
         (loss_sum * (self.loss_scale / global_num_samples)).backward()
         return loss_sum.detach()
 
@@ -449,13 +502,14 @@ class TrainStep:
             where = ""
         raise NonFiniteStep(f"loss {float(loss_sum):.6g}{where}; the optimizer step was skipped")
 
-    def __call__(self, batch, global_num_samples: int) -> Tensor:
-        """One full training step (forward, loss, backward, optimizer); returns the local loss sum.
+    def __call__(self, batch, global_num_samples: int, weight: float = 1.0) -> Tensor:
+        """One full training step (forward, loss, backward, optimizer); returns the local loss sum
+        (:meth:`forward_backward`'s arguments).
 
         Raises:
             NonFiniteStep: the loss or a gradient is not finite (the weights are left unchanged).
         """
-        loss_sum = self.forward_backward(batch, global_num_samples)
+        loss_sum = self.forward_backward(batch, global_num_samples, weight)
         self.check_finite(loss_sum)
         self.optimizer_step()
         return loss_sum

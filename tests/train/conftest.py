@@ -6,6 +6,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -59,3 +61,22 @@ def tiny_dataset():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.write_tiny_dataset
+
+
+def _model_tensors(run_dir):
+    """The model weights of a run's newest checkpoint, loaded without a process group."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = run_dir / "checkpoint" / (run_dir / "checkpoint" / "latest").read_text().strip()
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    dcp.load(state, checkpoint_id=str(path))
+    return state
+
+
+@pytest.fixture
+def checkpoint_weights():
+    """``checkpoint_weights(run_dir)`` -> {"model.NAME": tensor}: the model weights of the run's newest
+    checkpoint (``run_dir/checkpoint/latest``), loaded without a process group."""
+    return _model_tensors

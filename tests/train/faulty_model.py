@@ -1,6 +1,10 @@
 """Model factories for fault tests (``--model faulty_model:NAME`` with tests/train on PYTHONPATH):
 the tiny Wan DiT that raises, on some ranks, for some batch shapes -- a stand-in for a GPU running
 out of memory in a long bucket -- or that gets non-finite gradients (a stand-in for a compiler bug)."""
+import glob
+import os
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -71,3 +75,36 @@ def nan_time_embedding_in_second_model():
         for p in model.time_embedding.parameters():
             p.register_hook(lambda g: torch.full_like(g, float("nan")))
     return model
+
+
+class UnpackedDiT(WanDiT):
+    """A DiT without forward_packed (as a model written before packs): --policy packed refuses it."""
+
+    forward_packed = None
+
+
+def without_forward_packed():
+    return UnpackedDiT(PRESETS["tiny"])
+
+
+class DiesAfterCheckpoint(WanDiT):
+    """Exits the process (status 9, as if killed) in the first packed step after the checkpoint named
+    by ``ADAPTIVELOAD_TEST_DIE_AT`` (e.g. ``step_000004``) became the latest of the run's folder
+    (``--out``'s run folder); trains normally without the variable."""
+
+    def forward_packed(self, *args):
+        name = os.environ.get("ADAPTIVELOAD_TEST_DIE_AT")
+        if name and torch.is_grad_enabled():
+            for latest in glob.glob(os.path.join(_out(), "*", "checkpoint", "latest")):
+                if open(latest).read().strip() == name:
+                    os._exit(9)
+        return super().forward_packed(*args)
+
+
+def _out() -> str:
+    argv = sys.argv
+    return argv[argv.index("--out") + 1]
+
+
+def dies_after_checkpoint():
+    return DiesAfterCheckpoint(PRESETS["tiny"])

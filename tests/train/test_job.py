@@ -6,7 +6,6 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 
 SHORT = ("--samples", "48", "--steps", "6", "--eval-every", "3", "--profile-every", "2", "--quiet")
@@ -127,20 +126,8 @@ def test_two_ranks_finish_together_with_complete_metrics(tmp_path, run_cli):
     assert "speedup (tokens/s" in proc.stdout
 
 
-def _model_tensors(run_dir):
-    """The model weights of a run's newest checkpoint, loaded without a process group."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = run_dir / "checkpoint" / (run_dir / "checkpoint" / "latest").read_text().strip()
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
-             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-    dcp.load(state, checkpoint_id=str(path))
-    return state
-
-
 @pytest.mark.slow
-def test_kill_and_resume_continues_the_sample_stream_and_model_exactly(tmp_path, run_cli):
+def test_kill_and_resume_continues_the_sample_stream_and_model_exactly(tmp_path, run_cli, checkpoint_weights):
     args = ("--samples", "40", "--backend", "eager", "--eval-every", "2", "--profile-every", "0",
             "--checkpoint-every", "1", "--quiet")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -153,7 +140,7 @@ def test_kill_and_resume_continues_the_sample_stream_and_model_exactly(tmp_path,
     assert [h["indices"] for h in b["history"]] == [h["indices"] for h in a["history"]]
     assert [h["loss"] for h in b["history"]] == [h["loss"] for h in a["history"]]
     assert b["eval_loss"] == a["eval_loss"]
-    wa, wb = _model_tensors(straight / "eager_dual"), _model_tensors(resumed / "eager_dual")
+    wa, wb = checkpoint_weights(straight / "eager_dual"), checkpoint_weights(resumed / "eager_dual")
     assert wa.keys() == wb.keys() and wa
     for name in wa:
         assert torch.equal(wa[name], wb[name]), name
@@ -340,17 +327,3 @@ def test_ltx_geometry_in_train_and_calibrate(tmp_path, run_cli):
     points = json.loads(cal.read_text())["points"]
     assert sorted((p["seq_len"], tuple(p["latent_shape"])) for p in points) == [
         (6, (1, 2, 3)), (32, (2, 4, 4)), (72, (3, 4, 6))]
-
-
-def test_policy_packed_needs_a_forward_packed_method(monkeypatch, capsys, tmp_path):
-    """`train --policy packed` stops before any calibration or step: exit 2 and one line naming the
-    method the model lacks."""
-    from adaptiveload.cli import main
-
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the job would set this process's torch threads otherwise
-    assert main(["train", "--policy", "packed", "--quiet", "--out", str(tmp_path / "o")]) == 2
-    err = capsys.readouterr().err
-    assert err == ("adaptiveload train: error: --policy packed needs a model with a forward_packed method (it runs a "
-                   "pack of samples of different lengths as one sequence); tiny (WanDiT) has none: use --policy "
-                   "dual, cost_grouped or equal_token\n")
-    assert not (tmp_path / "o").exists()  # nothing ran, nothing written
