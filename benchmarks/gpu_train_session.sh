@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_train_session.sh x1   # one H200 each: eager/inductor/adaptiveload + equal-token, adaptiveload + dual
 #   bash benchmarks/gpu_train_session.sh x1pair  # Inductor and adaptiveload equal-token runs of x1 side by side, one per GPU
 #   bash benchmarks/gpu_train_session.sh all  # x2, then x1pair (SAMPLES_X1)
+#   bash benchmarks/gpu_train_session.sh packed 2  # W GPUs (torchrun when W > 1): the fused backend with
+#                                                  # equal_token, dual, cost_grouped and packed, same samples and seed
 #   bash benchmarks/gpu_train_session.sh calib  # `adaptiveload calibrate` of the compiled step, activation
 #                                               # checkpointing off (GPU 0) and on (GPU 1); then e.g.
 #   CALIBRATION=<calib_ckpt.json> EXTRA="--activation-checkpointing on" bash ... x2
@@ -17,19 +19,29 @@
 # EXTRA holds more arguments for every run (e.g. EXTRA=--drop-oversized). START_BY=S skips the runs that
 # would start more than S seconds into the call (so a run the call's limit would cut off is not begun).
 # A first run on a bare machine compiles cold (about 2.5 min of start-up and warm-up for the 10-layer model under torchrun); later runs hit the cache.
+# MOCK=1 rehearses a phase on the CPU (gloo under torchrun): the tiny preset, SAMPLES (default 40) of the reference
+# mix at the CPU downscale, --m-mem 2100 tokens instead of a memory budget, no install, GPU query or build;
+# RUNS (default /tmp/runs) and OUT name the folders, e.g.
+#   MOCK=1 OUT=/tmp/mock RUNS=/tmp/mock/runs bash benchmarks/gpu_train_session.sh packed 2
 set -u
-PHASE=${1:?x1, x2, x1pair, all or calib}
+PHASE=${1:?x1, x2, x1pair, all, calib or packed W}
 OUT=${OUT:-/tmp/out}
 CAP=${CAP:-140}
-RUNS=/tmp/runs
+RUNS=${RUNS:-/tmp/runs}
 mkdir -p "$RUNS" "$OUT"
 export TORCH_LOGS=recompiles PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-COMMON=(--preset wan2.1-1.3b --num-layers 10 --samples "${SAMPLES:-128}" --seed 0
-        --calibration "${CALIBRATION:-anchors-wan1.3b}" --memory-budget-gb "${BUDGET_GB:-120}" --quiet ${EXTRA:-})
-python -m pip install -q -e . --no-deps --no-build-isolation
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RUNS/gpus.csv"
-python -c "import torch; print(torch.__version__, torch.version.cuda)" > "$RUNS/torch.txt"
-python -m adaptiveload build > "$RUNS/build.log" 2>&1
+if [[ -n "${MOCK:-}" ]]; then
+  COMMON=(--preset tiny --samples "${SAMPLES:-40}" --seed 0 --calibration "${CALIBRATION:-anchors-wan1.3b}"
+          --m-mem 2100 --device cpu --quiet ${EXTRA:-})
+  python -c "import torch; print(torch.__version__, 'cpu mock')" > "$RUNS/torch.txt"
+else
+  COMMON=(--preset wan2.1-1.3b --num-layers 10 --samples "${SAMPLES:-128}" --seed 0
+          --calibration "${CALIBRATION:-anchors-wan1.3b}" --memory-budget-gb "${BUDGET_GB:-120}" --quiet ${EXTRA:-})
+  python -m pip install -q -e . --no-deps --no-build-isolation
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RUNS/gpus.csv"
+  python -c "import torch; print(torch.__version__, torch.version.cuda)" > "$RUNS/torch.txt"
+  python -m adaptiveload build > "$RUNS/build.log" 2>&1
+fi
 
 pack() {  # everything so far into $OUT/<phase>.tgz (replaced whole), so a cut-off call keeps finished runs
   tar czf "$OUT/$PHASE.tgz.part" -C "$RUNS" --exclude='checkpoint*' --exclude='*.pt' --exclude='*.distcp' . \
@@ -58,6 +70,14 @@ x2_runs() {
   train x2_dual "${TORCHRUN[@]}" --backend adaptiveload --sampler dual --policy random
   train x2_cost_grouped "${TORCHRUN[@]}" --backend adaptiveload --sampler dual --policy cost_grouped
 }
+packed_runs() {  # W: the fused backend with each batching policy on W ranks, one run after another
+  local w=$1 policy
+  local cmd=("${ONE[@]}")
+  (( w > 1 )) && cmd=(python -m torch.distributed.run --standalone --nproc-per-node "$w" -m adaptiveload train)
+  for policy in equal_token dual cost_grouped packed; do
+    train "packed_x${w}_$policy" "${cmd[@]}" --backend adaptiveload --policy "$policy"
+  done
+}
 x1pair_runs() {
   ( export CUDA_VISIBLE_DEVICES=0; train x1_inductor_equal "${ONE[@]}" --backend inductor --sampler equal ) &
   ( export CUDA_VISIBLE_DEVICES=1; train x1_adaptiveload_equal "${ONE[@]}" --backend adaptiveload --sampler equal ) &
@@ -82,6 +102,7 @@ case $PHASE in
       logged calib_ckpt "${CAL[@]}" --activation-checkpointing on --max-tokens 200000 --out "$RUNS/calib_ckpt.json" ) &
     wait
     ;;
+  packed) packed_runs "${2:?packed W: the number of GPUs (ranks)}" ;;
   all)
     x2_runs
     COMMON[5]=${SAMPLES_X1:-64}; CAP=${CAP_X1:-$CAP}
