@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU measurements of `adaptiveload train` (issue 5), one phase per device call:
+# GPU measurements of `adaptiveload train`, one phase per GPU machine call:
 #   bash benchmarks/gpu_train_session.sh x2   # two H200 under torchrun with FSDP2: baseline, adaptiveload + equal-token,
 #                                             # dual, cost_grouped
 #   bash benchmarks/gpu_train_session.sh x1   # one H200 each: eager/inductor/adaptiveload + equal-token, adaptiveload + dual

@@ -183,8 +183,6 @@ def _calibrate_and_write(args, ctx, preset, factory) -> int:
 
 def add_commands(subparsers) -> None:
     """Add ``train`` and ``calibrate`` to the ``adaptiveload`` command line."""
-    from adaptiveload.train.setup import FILE_WORKERS
-
     train = subparsers.add_parser(
         "train", help="train a video DiT with the fused backend and the calibrated bucket sampler",
         description="Calibrate (or load a calibration), plan, and train; print tokens/s, load balance, memory "

@@ -2,7 +2,6 @@
 import logging
 import os
 
-import numpy as np
 
 
 def test_a_calibration_of_another_setup_is_warned_about(caplog):
