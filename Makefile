@@ -1,5 +1,5 @@
 # The commands a new user runs (see README.md). Each sets up its own virtual environment.
-#   make demo        trains the built-in tiny Wan-style DiT on the built-in reference mix (CPU, < 3 min)
+#   make demo        trains the built-in tiny Wan-style DiT on the built-in reference mix (CPU, about 1 min)
 #   make test        runs the whole test suite; with CHECK_CUDA=1 (as CI sets it) it first compile-checks
 #                    every CUDA source for sm_90 (skipped where nvcc is absent; minutes on a small CPU)
 #   make test-fast   the tests not marked slow (no end-to-end runs, subprocesses, builds or Inductor

@@ -1,6 +1,6 @@
-"""Train diffusers' Wan 2.1 transformer with AdaptiveLoad: fused AdaLN modulation + cost-balanced buckets.
+r"""Train diffusers' Wan 2.1 transformer with AdaptiveLoad: fused AdaLN modulation + cost-balanced buckets.
 
-    pip install adaptiveload diffusers   # or adaptiveload[test]; diffusers has WanTransformer3DModel
+    pip install . diffusers   # in a clone of this repository; diffusers has WanTransformer3DModel
 
 Run from a checkout of the repository. CPU, 2 processes (gloo), a tiny model on the 28-sample
 manifest next to this file, with the aot_eager inner compiler (Inductor's CPU LayerNorm backward
@@ -14,8 +14,8 @@ GPU, N processes (nccl, one GPU each, bf16 autocast, Inductor inside the adaptiv
 2.1 1.3B cut to the 10 layers that the built-in calibration "anchors-wan1.3b" measured, on the
 reference image/video mix (one H200, N = 1: 88 GiB peak):
 
-    torchrun --standalone --nproc-per-node 8 examples/train_wan.py --model wan1.3b --layers 10 \
-        --samples 20000 --memory-budget-gb 120 --workers 4 --steps 1000 --save-every 200 --out runs/wan
+    torchrun --standalone --nproc-per-node 8 examples/train_wan.py --model wan1.3b --num-layers 10 \
+        --samples 20000 --memory-budget-gb 120 --workers 4 --steps 1000 --checkpoint-every 200 --out runs/wan
     # all 30 layers: calibrate them first, then plan with that here (or once with `adaptiveload plan`):
     adaptiveload calibrate --model adaptiveload.train.diffusers_wan:wan_1_3b --out calib.json
     torchrun --standalone --nproc-per-node 8 examples/train_wan.py --model wan1.3b --calibration calib.json ...
@@ -140,7 +140,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="wan1.3b", help="size preset")
-    p.add_argument("--layers", type=checked(int), help="override the preset's number of transformer blocks")
+    p.add_argument("--num-layers", type=checked(int), help="override the preset's number of transformer blocks")
     p.add_argument("--manifest", help="CSV / JSONL / Parquet with num_frames,height,width per sample "
                    "(default: the reference mix of --samples samples)")
     p.add_argument("--samples", type=checked(int), default=2000, help="reference-mix samples without --manifest")
@@ -155,7 +155,7 @@ def main(argv=None):
     p.add_argument("--lr", type=checked(float), default=1e-4)
     p.add_argument("--workers", type=checked(int, positive=False), default=2, help="DataLoader workers per rank")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=checked(int, positive=False), default=0,
+    p.add_argument("--checkpoint-every", type=checked(int, positive=False), default=0,
                    help="checkpoint every N steps (and always at the last step)")
     p.add_argument("--out", default="runs/wan")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
@@ -177,7 +177,7 @@ def main(argv=None):
     plan = get_plan(args, manifest, world)
     sampler = DualConstraintBucketSampler.from_plan(plan, manifest.latent_shapes, num_replicas=world, rank=rank,
                                                     seed=args.seed)
-    config = {**MODELS[args.model], **({"num_layers": args.layers} if args.layers else {})}
+    config = {**MODELS[args.model], **({"num_layers": args.num_layers} if args.num_layers else {})}
     text_len = config.pop("text_len")
     if tuple(config["patch_size"]) != tuple(manifest.patch_size):
         raise SystemExit(f"manifest patch size {manifest.patch_size} differs from the model's {config['patch_size']}")
@@ -256,7 +256,7 @@ def main(argv=None):
                 print(json.dumps(record), flush=True)
                 with open(os.path.join(args.out, "losses.jsonl"), "a") as f:
                     f.write(json.dumps(record) + "\n")
-            if step == args.steps or (args.save_every and step % args.save_every == 0):
+            if step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0):
                 save(consumed_steps=i + 1)
             if step >= args.steps:
                 break

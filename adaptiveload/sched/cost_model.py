@@ -479,7 +479,8 @@ def _fit_linear(work: _Work, t):
 
 _FITTERS = {"power": (_fit_power, 3), "quadratic": (_fit_quadratic, 3), "linear": (_fit_linear, 2)}
 FIT_KINDS = tuple(_FITTERS)  # the kinds fit_cost_model takes besides "auto"
-_RECALIBRATE = "the times were probably measured under load: recalibrate on an idle machine"
+_RECALIBRATE = ("the times were probably measured under load, or the shapes were too few or too small to time: "
+                "recalibrate on an idle machine with more bucket shapes, or give a calibration")
 
 
 def _predict(model: CostModel, work: _Work) -> np.ndarray:

@@ -224,7 +224,7 @@ def add_commands(subparsers) -> None:
                           "process, synthetic samples drawn on the training device itself. Default: 2 for sample "
                           "files, 0 for synthetic data (CPU and GPU draws give different sample values: published "
                           "GPU runs used 0)")
-    run.add_argument("--quiet", action="store_true", help="no progress bars and no profiler lines")
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
     train.set_defaults(func=run_train)
 
     cal = subparsers.add_parser(

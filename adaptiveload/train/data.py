@@ -9,7 +9,7 @@ process handles it — a two-rank run and a one-process run on the same samples 
 Sample files (:class:`SampleFiles`): a latent file holds one tensor [C, T, H, W], a text file one
 tensor [L, text_dim] with 1 <= L <= the model's text length (:func:`collate` pads it with zeros, as
 Wan pads prompts to 512 tokens). A ``.safetensors`` file (needs ``pip install
-adaptiveload[safetensors]``) holds one tensor, or several with the key ``latent`` / ``text``; a
+safetensors``) holds one tensor, or several with the key ``latent`` / ``text``; a
 ``.pt`` file is read with ``torch.load(weights_only=True)`` and holds a tensor or a dict of them (the
 same rule). Any floating dtype is read and converted to float32. Each tensor is checked against its
 manifest row's shape; a missing, unreadable or mismatched file raises :class:`SampleError` naming
@@ -33,6 +33,7 @@ patchified and concatenated into one token sequence.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -81,6 +82,19 @@ def _tensor_problem(tensor) -> Optional[str]:
     return f"{bad:,} of {tensor.numel():,} values are not finite" if bad else None
 
 
+def file_problem(path: str) -> Optional[str]:
+    """What stops ``path`` from being read without opening it: another file type than ``.safetensors``
+    / ``.pt``, no such file, or safetensors not installed; ``None`` when it can be read."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".safetensors", ".pt"):
+        return f"unknown file type {ext!r}: expected .safetensors or .pt"
+    if not os.path.isfile(path):
+        return "no such file"
+    if ext == ".safetensors" and importlib.util.find_spec("safetensors") is None:
+        return "reading .safetensors needs the safetensors package (pip install safetensors)"
+    return None
+
+
 def read_tensor(path: str, key: str) -> Tensor:
     """The tensor in a ``.safetensors`` or ``.pt`` file: its only tensor, or the one under ``key``.
 
@@ -89,17 +103,14 @@ def read_tensor(path: str, key: str) -> Tensor:
             or a file of several tensors without ``key`` (the message is the problem alone; callers
             add the row and path).
     """
+    problem = file_problem(path)
+    if problem is not None:
+        raise SampleError(problem)
     ext = os.path.splitext(path)[1].lower()
-    if ext not in (".safetensors", ".pt"):
-        raise SampleError(f"unknown file type {ext!r}: expected .safetensors or .pt")
-    if not os.path.isfile(path):
-        raise SampleError("no such file")
     try:
         if ext == ".safetensors":
-            try:
-                from safetensors import safe_open
-            except ImportError:
-                raise SampleError("reading .safetensors needs safetensors (pip install adaptiveload[safetensors])") from None
+            from safetensors import safe_open
+
             with safe_open(path, framework="pt") as f:
                 names = list(f.keys())
                 pick = names[0] if len(names) == 1 else key
@@ -142,6 +153,22 @@ class SampleFiles:
     def __init__(self, latent_paths, text_paths, spec: InputSpec, source: str):
         self.latent_paths, self.text_paths = list(latent_paths), list(text_paths)
         self.spec, self.source = spec, source
+
+    def check_present(self) -> None:
+        """Before any step: every file exists, has a known type, and safetensors is installed where
+        needed (:func:`file_problem`; reading and checking the tensors stays with the loader).
+
+        Raises:
+            SampleError: naming the manifest, the first bad row, its path and problem, and how many
+                more files are bad.
+        """
+        problems = [f"row {index + 1}: {kind} file {path}: {problem}"
+                    for index, paths in enumerate(zip(self.latent_paths, self.text_paths))
+                    for kind, path in zip(("latent", "text"), paths)
+                    if (problem := file_problem(path)) is not None]
+        if problems:
+            more = f" (and {len(problems) - 1} more bad file(s))" if len(problems) > 1 else ""
+            raise SampleError(f"{self.source}: {problems[0]}{more}")
 
     def __call__(self, index: int, shape: tuple) -> tuple[Tensor, Tensor]:
         latent_size = (self.spec.in_channels, *shape)

@@ -48,7 +48,7 @@ from adaptiveload.sched.shapes import WAN_VAE_STRIDE
 from adaptiveload.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from adaptiveload.train.data import Batch, LatentDataset, SampleFiles, collate
 from adaptiveload.train.distributed import DistContext
-from adaptiveload.train.loop import (LoopOptions, RunState, StepFailed, compiler_hint, quiet_profiler, train_steps,
+from adaptiveload.train.loop import (LoopOptions, RunState, StepFailed, compiler_hint, silent_kineto, train_steps,
                                      warm_up)
 from adaptiveload.train.planning import (CALIBRATION_FILE, CalibrationFailed, check_model_runs_policy, load_plan,
                                          make_sampler, quick_calibration, resolve_plan, saved_calibration,
@@ -209,6 +209,8 @@ def train_run(cfg: JobConfig, run: RunSpec, data: JobData, ctx: DistContext, cal
                        world_size=ctx.world_size, device=device_description(ctx.device))
     files = (SampleFiles(corpus.latent_paths, corpus.text_paths, spec, corpus.source)
              if corpus.latent_paths is not None else None)
+    if files is not None:
+        files.check_present()  # a missing file fails now, not after calibration and warm-up
     workers = cfg.workers if cfg.workers is not None else (FILE_WORKERS if files is not None else 0)
     with collect_reports() as reports:  # the fusion reports of this run's graphs
         start = time.perf_counter()
@@ -253,7 +255,7 @@ def train_run(cfg: JobConfig, run: RunSpec, data: JobData, ctx: DistContext, cal
             options = LoopOptions(total_steps=total_steps, eval_every=cfg.eval_every, profile_every=cfg.profile_every,
                                   checkpoint_every=cfg.checkpoint_every, workers=workers, progress=progress,
                                   name=run.name)
-            with quiet_profiler(cfg.quiet):
+            with silent_kineto():
                 train_steps(step, sampler, dataset, ctx, state, options,
                             evaluate=functools.partial(_evaluate, step, evals_set),
                             on_eval=functools.partial(record, "running"),  # collective: every rank

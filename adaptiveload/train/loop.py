@@ -93,10 +93,10 @@ def step_patch(step: TrainStep) -> tuple:
 
 
 @contextmanager
-def quiet_profiler(quiet: bool):
-    """With ``quiet``, silence Kineto's own stderr lines (``profiler_start`` / ``profiler_stop`` at
-    every profiled step) unless ``KINETO_LOG_LEVEL`` is set by the user; restored on exit."""
-    if not quiet or KINETO_LOG_LEVEL_ENV in os.environ:
+def silent_kineto():
+    """Silence Kineto's own stderr lines (``profiler_start`` / ``profiler_stop`` at every profiled
+    step, mixed into the progress bars) unless ``KINETO_LOG_LEVEL`` is set by the user; restored on exit."""
+    if KINETO_LOG_LEVEL_ENV in os.environ:
         yield
         return
     os.environ[KINETO_LOG_LEVEL_ENV] = KINETO_SILENT

@@ -36,6 +36,7 @@ logger = logging.getLogger("adaptiveload.train")
 QUICK_BATCH_SIZES = (1, 2, 4)  # quick calibration: batch sizes per shape
 QUICK_SHAPES = 3  # quick calibration: bucket shapes spread over S
 QUICK_TOKEN_FACTOR = 2  # quick calibration: B*S up to this many longest samples
+QUICK_MIN_POINTS = 3  # a cost model needs 3 timed points: below, the token cap is lifted
 CALIBRATION_FILE = "calibration.json"  # the quick calibration, in the output folder
 
 
@@ -63,11 +64,17 @@ def quick_calibration(step, spec, shapes: np.ndarray, patch_size, ctx: DistConte
     seq = shapes.prod(axis=1) // int(np.prod(patch_size))
     grid = calibration_grid(shapes, patch_size, num_shapes=QUICK_SHAPES, batch_sizes=QUICK_BATCH_SIZES,
                             max_tokens=QUICK_TOKEN_FACTOR * int(seq.max()))
+    if len(grid) < QUICK_MIN_POINTS:  # one or two bucket shapes: time every batch size, past the token cap
+        grid = calibration_grid(shapes, patch_size, num_shapes=QUICK_SHAPES, batch_sizes=QUICK_BATCH_SIZES)
     run = calibrate(step, spec, grid, patch_size=patch_size, warmup=1, repeats=2, progress=progress)
     if run.aborted:
         raise CalibrationFailed(f"quick calibration stopped: {run.aborted}")
-    calibration = Calibration.from_points(run.points, settings={**settings, "quick": True},
-                                          device=device_description(ctx.device))
+    try:
+        calibration = Calibration.from_points(run.points, settings={**settings, "quick": True},
+                                              device=device_description(ctx.device))
+    except ValueError as err:
+        raise ValueError(f"{err}; the corpus has {len(shapes)} bucket shape(s): give a calibration instead "
+                         f"(--calibration calibration.json from adaptiveload calibrate, or anchors-wan1.3b)") from None
     return ctx.broadcast_object(calibration)
 
 

@@ -71,8 +71,9 @@ def format_report(results: dict) -> str:
         f"adaptiveload train: {results['device']} x {results['world_size']}, torch {results['torch_version']}",
         f"corpus: {corpus['source']} - {corpus['samples']:,} samples, {corpus['buckets']} buckets, "
         f"S {corpus['seq_len_min']:,}..{corpus['seq_len_max']:,} (downscale {results['downscale']}"
-        + (f", VAE stride {','.join(map(str, corpus['vae_stride']))}, patch {','.join(map(str, corpus['patch_size']))}"
-           if "patch_size" in corpus else "") + ")"
+        # the stride asked for (the corpus's own has the downscale folded into H and W)
+        + (f", VAE stride {','.join(map(str, results['config'].get('vae_stride') or corpus['vae_stride']))}, "
+           f"patch {','.join(map(str, corpus['patch_size']))}" if "patch_size" in corpus else "") + ")"
         + (f"; {data[corpus['data']]}" if "data" in corpus else ""),
     ]
     if runs:

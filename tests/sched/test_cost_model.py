@@ -210,7 +210,8 @@ def test_low_r2_warns_with_an_explicit_kind():
     q = fit_cost_model(B9, S9, t, kind="quadratic")
     assert q.r2 < 0.8
     assert q.warning == (f"poor step-time fit: R^2 {q.r2:.2f} < 0.8 for the quadratic model {q._formula()}; "
-                         "the times were probably measured under load: recalibrate on an idle machine")
+                         "the times were probably measured under load, or the shapes were too few or too small to "
+                         "time: recalibrate on an idle machine with more bucket shapes, or give a calibration")
 
 
 def test_warnings_round_trip_and_old_json_loads():

@@ -144,6 +144,20 @@ def test_a_bad_latent_file_is_named_with_its_row_and_path(tmp_path, name, value,
     assert "\n" not in str(info.value)
 
 
+def test_missing_files_are_found_before_any_step(tmp_path):
+    """check_present names the first missing or unknown file (row, kind, path) and counts the others,
+    without reading any file; a corrupt file that exists is left to the loader."""
+    good = _save(tmp_path / "ok.pt", torch.zeros(4, 1, 2, 2))
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"not a pickle")
+    SampleFiles([good, str(corrupt)], [good, good], SPEC, "m.csv").check_present()
+    files = SampleFiles([good, good, str(tmp_path / "gone.pt")], [good, str(tmp_path / "t.npy"), good], SPEC, "m.csv")
+    with pytest.raises(SampleError) as info:
+        files.check_present()
+    assert str(info.value) == (f"m.csv: row 2: text file {tmp_path / 't.npy'}: unknown file type '.npy': expected "
+                               ".safetensors or .pt (and 1 more bad file(s))")
+
+
 @pytest.mark.parametrize("text, message", [
     (torch.zeros(9, 32), "shape [9, 32], expected [L, 32] with 1 <= L <= 8"),
     (torch.zeros(8, 16), "shape [8, 16], expected [L, 32] with 1 <= L <= 8"),

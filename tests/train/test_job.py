@@ -252,10 +252,10 @@ def test_training_on_sample_files(tmp_path, run_cli, tiny_dataset):
 
 
 @pytest.mark.slow
-def test_a_missing_sample_file_stops_both_ranks_naming_row_and_path(tmp_path, run_cli, tiny_dataset):
-    """A latent file removed after planning: the rank drawing it cannot load its batch; neither rank
-    trains that step (no hang), the job exits 1 naming the manifest row and path, and the steps
-    before it stay in results.json."""
+def test_an_unreadable_sample_file_stops_both_ranks_naming_row_and_path(tmp_path, run_cli, tiny_dataset):
+    """A latent file that exists but cannot be read (missing files are refused before any step): the
+    rank drawing it cannot load its batch; neither rank trains that step (no hang), the job exits 1
+    naming the manifest row and path, and the steps before it stay in results.json."""
     from adaptiveload.sched.manifest import load_manifest
     from adaptiveload.train.job import eval_indices
 
@@ -263,12 +263,12 @@ def test_a_missing_sample_file_stops_both_ranks_naming_row_and_path(tmp_path, ru
     evaluated = set(eval_indices(load_manifest(manifest), 4))
     row = max(set(range(24)) - evaluated)  # not read before training starts
     gone = tmp_path / "data" / "latents" / f"{row}{'.safetensors' if row % 2 == 0 else '.pt'}"
-    gone.unlink()
+    gone.write_bytes(b"not a tensor file")
     out = tmp_path / "out"
     proc = run_cli("train", "--manifest", manifest, "--backend", "eager", "--profile-every", "0", "--quiet",
                    "--dist-timeout", "20", "--out", out, nproc=2, timeout=200)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert f"could not load its batch: {manifest}: row {row + 1}: latent file {gone}: no such file" in proc.stdout
+    assert f"could not load its batch: {manifest}: row {row + 1}: latent file {gone}: cannot read it" in proc.stdout
     (run,) = _results(out)["runs"]
     assert run["status"] == "failed" and f"row {row + 1}" in run["error"]
     assert run["steps"] == len(run["history"]) < run["steps_per_epoch"]
@@ -327,3 +327,17 @@ def test_ltx_geometry_in_train_and_calibrate(tmp_path, run_cli):
     points = json.loads(cal.read_text())["points"]
     assert sorted((p["seq_len"], tuple(p["latent_shape"])) for p in points) == [
         (6, (1, 2, 3)), (32, (2, 4, 4)), (72, (3, 4, 6))]
+
+
+@pytest.mark.slow
+def test_a_corpus_of_one_bucket_shape_calibrates_and_trains(tmp_path, run_cli):
+    """One shape under the token cap gave 2 calibration points (B = 1, 2) and no cost model; the quick
+    calibration now times B = 1, 2 and 4 and the job trains."""
+    manifest = tmp_path / "one.csv"
+    manifest.write_text("num_frames,height,width\n1,256,256\n1,256,256\n1,256,256\n")
+    out = tmp_path / "out"
+    proc = run_cli("train", "--manifest", manifest, "--steps", "2", "--backend", "eager", "--quiet", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = json.loads((out / "calibration.json").read_text())["points"]
+    assert [p["batch_size"] for p in points] == [1, 2, 4]
+    assert _results(out)["runs"][0]["steps"] == 2
