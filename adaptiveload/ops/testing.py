@@ -8,6 +8,9 @@ import math
 import torch
 
 LAYOUTS = ("per-sample", "per-token", "shared", "strided-per-sample", "strided-per-token", "batch1-per-token")
+# torch.library.opcheck's utilities every op passes; a backward op has no autograd registration of its own
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+OPCHECK_BACKWARD_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 # ||out - ref|| / ||ref|| bound for a result computed in float32 and rounded once to dtype
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 6e-3, torch.float16: 1.5e-3}
 
@@ -54,6 +57,14 @@ def lay_out_grad(layout: str, g: torch.Tensor) -> torch.Tensor:
     if layout == "expanded":
         return g.narrow(-2, 0, 1).expand(g.shape)
     raise AssertionError(layout)
+
+
+def check_backward_strides(backward_op, args: tuple, names: tuple) -> None:
+    """opcheck ``backward_op`` on ``args`` and check every output (named by ``names``) is contiguous,
+    as its fake kernel promises: compiled backward graphs assert those strides, whatever dy's layout."""
+    torch.library.opcheck(backward_op.default, args, test_utils=OPCHECK_BACKWARD_UTILS)
+    for name, g in zip(names, backward_op(*args)):
+        assert g.is_contiguous(), f"{name}: strides {g.stride()} for shape {list(g.shape)}"
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import adaptiveload  # noqa: F401  (registers torch.ops.adaptiveload.*)
 from adaptiveload.ops import extension
-from adaptiveload.ops.testing import (GRAD_LAYOUTS, LAYOUTS, TOL, assert_rel, check_op_against_float64,
-                                       lay_out_grad, make_mod, property_strategies, rel_err)
+from adaptiveload.ops.testing import (GRAD_LAYOUTS, LAYOUTS, OPCHECK_UTILS, TOL, assert_rel, check_backward_strides,
+                                       check_op_against_float64, lay_out_grad, make_mod, property_strategies, rel_err)
 
 
 EPS = 1e-6
@@ -94,7 +94,7 @@ def test_opcheck(layout, affine):
     torch.library.opcheck(
         torch.ops.adaptiveload.adaln_modulate.default,
         (x, w, b, scale, shift, EPS, torch.float32),
-        test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+        test_utils=OPCHECK_UTILS,
     )
 
 
@@ -115,12 +115,8 @@ def test_opcheck_backward_with_noncontiguous_dy(device, dtype, layout, grad_layo
     _, mean, rstd = torch.ops.adaptiveload.adaln_modulate(x, w, b, scale, shift, EPS, dtype)
     dy = lay_out_grad(grad_layout, torch.randn(x.shape, generator=torch.Generator().manual_seed(6)).to(device, dtype))
     assert not dy.is_contiguous()
-    args = (dy, x, w, b, scale, shift, mean, rstd)
-    torch.library.opcheck(torch.ops.adaptiveload.adaln_modulate_backward.default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
-    for name, g in zip(("dx", "dweight", "dbias", "dscale", "dshift"),
-                       torch.ops.adaptiveload.adaln_modulate_backward(*args)):
-        assert g.is_contiguous(), f"{name}: strides {g.stride()} for shape {list(g.shape)}"
+    check_backward_strides(torch.ops.adaptiveload.adaln_modulate_backward, (dy, x, w, b, scale, shift, mean, rstd),
+                           ("dx", "dweight", "dbias", "dscale", "dshift"))
 
 
 @pytest.mark.slow
@@ -495,7 +491,7 @@ def test_opcheck_cuda(kernels, layout):
     torch.library.opcheck(
         torch.ops.adaptiveload.adaln_modulate.default,
         (*args, EPS, torch.bfloat16),
-        test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+        test_utils=OPCHECK_UTILS,
     )
 
 

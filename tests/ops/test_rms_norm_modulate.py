@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import adaptiveload  # noqa: F401  (registers torch.ops.adaptiveload.*)
 from adaptiveload.ops import extension
-from adaptiveload.ops.testing import (GRAD_LAYOUTS, LAYOUTS, TOL, assert_rel, check_op_against_float64,
-                                       lay_out_grad, make_mod, property_strategies, rel_err)
+from adaptiveload.ops.testing import (GRAD_LAYOUTS, LAYOUTS, OPCHECK_UTILS, TOL, assert_rel, check_backward_strides,
+                                       check_op_against_float64, lay_out_grad, make_mod, property_strategies, rel_err)
 
 EPS = 1e-6
 OP = torch.ops.adaptiveload.rms_norm_modulate
@@ -86,7 +86,7 @@ def test_opcheck(layout, weighted, shifted):
     x, w, scale, shift = _opcheck_args(layout, weighted, shifted)
     torch.library.opcheck(
         OP.default, (x, w, scale, shift, EPS, torch.float32),
-        test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+        test_utils=OPCHECK_UTILS,
     )
 
 
@@ -101,16 +101,11 @@ BACKWARD_PLACES = [pytest.param("cpu", torch.float32, id="cpu"),
 def test_opcheck_backward_with_noncontiguous_dy(device, dtype, layout, grad_layout):
     """The backward op's outputs have the strides its fake kernel promises (contiguous) whatever the
     layout of dy: compiled backward graphs assert them."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     x, w, scale, shift = _opcheck_args(layout, True, requires_grad=False, device=device, dtype=dtype)
     _, rstd = OP(x, w, scale, shift, EPS, dtype)
     dy = lay_out_grad(grad_layout, torch.randn(x.shape, generator=torch.Generator().manual_seed(6)).to(device, dtype))
     assert not dy.is_contiguous()
-    args = (dy, x, w, scale, shift, rstd)
-    torch.library.opcheck(BACKWARD.default, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
-    for name, g in zip(("dx", "dweight", "dscale", "dshift"), BACKWARD(*args)):
-        assert g.is_contiguous(), f"{name}: strides {g.stride()} for shape {list(g.shape)}"
+    check_backward_strides(BACKWARD, (dy, x, w, scale, shift, rstd), ("dx", "dweight", "dscale", "dshift"))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
