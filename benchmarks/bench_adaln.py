@@ -289,6 +289,8 @@ def host_time_us(gen, calls: int = 300) -> dict:
 
 def op_only(tt, sets, linear, layout, pattern) -> dict:
     """The op's own kernels: forward, and backward in both designs (modulation precomputed)."""
+    from adaptiveload.ops import _tuning  # (here: kernel_stages.py imports this file with older builds too)
+
     out_dtype = torch.bfloat16
     prepared = []
     with torch.no_grad():
@@ -311,12 +313,9 @@ def op_only(tt, sets, linear, layout, pattern) -> dict:
         torch.ops.adaptiveload.adaln_modulate_backward(dy, x, None, None, s, h, mean, rstd)
 
     res["fwd"] = bench(tt, fwd)
-    res["bwd_one_pass"] = bench(tt, bwd)
-    os.environ["ADAPTIVELOAD_BWD"] = "two_kernel"
-    try:
+    res["bwd_one_pass"] = bench(tt, bwd)  # the kernels' choice: one pass up to 16 elements a thread
+    with _tuning.override(two_kernel=True):
         res["bwd_two_kernel"] = bench(tt, bwd)
-    finally:
-        os.environ.pop("ADAPTIVELOAD_BWD", None)
     return res
 
 

@@ -6,25 +6,29 @@
 #   tests      pytest -m cuda tests/ops (TESTS_K: a pytest -k expression for a subset) on GPU 1, in the
 #              background while the benchmark runs (first, on GPU 0, where there is one GPU)
 #   sanitize   benchmarks/sanitize.sh after the tests, on the same GPU (SANITIZE_OPS: which ops)
-#   sweep, ring, tail, store, wide, host: benchmarks/kernel_stages.py <stage> on GPU 0 -> $OUT/<stage>.log
-#   sweep      op-only timings over thread caps (ADAPTIVELOAD_MAX_THREADS)
+#   sweep, ring, tail, store, wide, host: benchmarks/kernel_stages.py <stage> on GPU 0 -> $OUT/<stage>.log;
+#              the kernels choose every launch setting themselves, and these stages force the ones they
+#              compare with the private adaptiveload.ops._tuning.override (its keywords below)
+#   sweep      op-only timings over thread caps (max_threads) and the two-kernel backward (two_kernel)
 #   bench-quick / bench   benchmarks/bench_adaln.py on GPU 0 (a subset / BENCH_ARGS, default the session
 #              preset); BENCH_AFTER_TESTS=1 starts it only once the tests and the sanitizer are done, so
 #              that its host-bound wall times do not share the host with them
-#   ring       forward and backward timings of the shared-memory row rings (ADAPTIVELOAD_FWD_STAGES /
-#              ADAPTIVELOAD_BWD_STAGES = 0, auto, 2, 3, 4, 8) at N = 65536, bf16, per-sample, B = 1 / 2,
-#              D = 1536 / 3072 / 5120 (and thread caps ADAPTIVELOAD_MAX_THREADS = 512, 256, 128, 64 at
-#              D = 1536 / 3072), the forward's row orders (ADAPTIVELOAD_FWD_ROW_ORDER = tile / interleave,
-#              alternated three times), a clone of x of the same size, per-token forward and backward rows
+#   ring       forward and backward timings of the shared-memory row rings (fwd_stages / bwd_stages =
+#              0, auto, 2, 3, 4, 8) at N = 65536, bf16, per-sample, B = 1 / 2, D = 1536 / 3072 / 5120 (and
+#              thread caps max_threads = 512, 256, 128, 64 at D = 1536 / 3072), how the forward stores y
+#              (store = threads / bulk, alternated three times), a clone of x of the same size, per-token
+#              forward and backward rows
+#   tail, store  the forward by its short blocks after the wave (tail) / by store, slots and thread cap
 #   wide       forward and backward at wide rows (fp32 x D = 3072 / 5120 / 8192, bf16 D = 8192 / 12288 /
-#              16384; x of 512 MiB; default settings)
+#              16384; x of 512 MiB; the kernels' own choices)
 #   rms        benchmarks/bench_rms_norm.py (rms_norm_modulate: op times against SoL, determinism,
 #              accuracy against Inductor; RMS_ARGS) -> $OUT/rms_norm_${RMS_TAG:-h200}.json / .md
 #   ltx        benchmarks/bench_ltx_step.py (diffusers LTX-Video training step, backend vs Inductor; needs
 #              diffusers as a wheel in .whl; LTX_ARGS) -> $OUT/ltx_step_${LTX_TAG:-h200}.json / .md
 #   ab         kernel_stages.py ${AB_STAGE:-ab} (ab: kernel timings; host: host time a call) for AB_BASE
 #              (a folder with another version's adaptiveload/ and csrc/, built into its own cache beside
-#              this one's) and for this checkout, in turn three times -> $OUT/ab.log
+#              this one's) and for this checkout, in turn three times -> $OUT/ab.log (both stages force
+#              no setting, so AB_BASE may be a build from before the override)
 #   tests0     the fixed-shape tests on GPU 0 after its other stages, with TESTS0_ENV (VAR=value ...)
 #              -> $OUT/tests0.log
 #   host       host time of one forward+backward call per implementation (bench_adaln.host_time_us;
@@ -138,7 +142,7 @@ PY
     python3 /tmp/ncu_cases.py >"$OUT/ncu.txt" 2>&1
   echo "ncu: exit $?"; grep -E "fwd_kernel|bwd_row_kernel|bwd_reduce_kernel|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Size|Grid Size|Duration" "$OUT/ncu.txt" | head -90
 fi
-if want tests0; then  # the fixed-shape tests again, on GPU 0, with TESTS0_ENV (e.g. a kernel knob off)
+if want tests0; then  # the fixed-shape tests again, on GPU 0, with TESTS0_ENV (e.g. CUDA_LAUNCH_BLOCKING=1)
   env ${TESTS0_ENV:-} timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/ops -m cuda -q -p no:cacheprovider \
     -W ignore::DeprecationWarning -k "not kernels_match_float64_reference" >"$OUT/tests0.log" 2>&1
   echo "tests0 (${TESTS0_ENV:-}): exit $?" | tee -a "$OUT/tests0.log"; tail -3 "$OUT/tests0.log"

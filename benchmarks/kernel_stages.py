@@ -1,25 +1,27 @@
 """Op-only timings of the fused LayerNorm -> modulate kernels (adaln_modulate), one GPU: the `sweep`, `ring`, `wide`,
-`store`, `tail` and `host` stages of benchmarks/gpu_session.sh (which writes each stage's output to $OUT/<stage>.log).
+`store`, `tail`, `ab` and `host` stages of benchmarks/gpu_session.sh (which writes each stage's output to
+$OUT/<stage>.log). The kernels choose every launch setting themselves; the stages that compare settings force them
+with the private adaptiveload.ops._tuning.override (its keywords in parentheses below).
 
-  sweep  forward, one-pass and two-kernel backward at thread caps 256 / 512 (ADAPTIVELOAD_MAX_THREADS)
-  ring   forward and backward by ring slots (ADAPTIVELOAD_FWD_STAGES / _BWD_STAGES = 0, auto, 2, 3, 4, 8)
-         at N = 65536, B = 1 / 2, D = 1536 / 3072 / 5120, bf16 x, fp32 per-sample modulation; forward by
-         row order (ADAPTIVELOAD_FWD_ROW_ORDER = tile / interleave) and how y is stored
-         (ADAPTIVELOAD_FWD_STORE = threads / bulk), each three times in turn, and the bulk store by ring
-         slots (auto, 3, 4, 8); by thread
-         cap (512, 256, 128, 64) at D = 1536 / 3072; per-token forward (bf16 rows of a [B, N, 2D] chunk)
+  sweep  forward, one-pass and two-kernel backward (two_kernel) at thread caps 256 / 512 (max_threads)
+  ring   forward and backward by ring slots (fwd_stages / bwd_stages = 0, auto, 2, 3, 4, 8) at N = 65536,
+         B = 1 / 2, D = 1536 / 3072 / 5120, bf16 x, fp32 per-sample modulation; the forward by how y is stored
+         (store = threads / bulk, alternated three times) and the bulk store by ring slots (auto, 3, 4, 8); by
+         thread cap (512, 256, 128, 64) at D = 1536 / 3072; per-token forward and backward (bf16 rows of a
+         [B, N, 2D] chunk) by ring slots
   wide   forward and backward at wide rows (fp32 x D = 3072 / 5120 / 8192, bf16 D = 8192 / 12288 / 16384;
-         x of 512 MiB) with default settings
-  store  the forward by how y is stored, ring slots and thread cap (ADAPTIVELOAD_FWD_STORE / _FWD_STAGES /
-         _MAX_THREADS), settings alternated three times at N = 65536, B = 1 / 2, D = 1536 / 3072 / 5120,
-         once at B = 1, D = 1024 / 2048 / 2560 / 4096; bf16 x, fp32 per-sample modulation
-  tail   the forward by the share of rows left to short blocks after the wave (ADAPTIVELOAD_FWD_TAIL = 0, 5/8,
-         10/8, 10/4, 15/8, 20/16), alternated three times at the store stage's shapes (once at D = 1024 / 2048 / 4096)
+         x of 512 MiB), the kernels' own choices
+  store  the forward by how y is stored, ring slots and thread cap (store / fwd_stages / max_threads), settings
+         alternated three times at N = 65536, B = 1 / 2, D = 1536 / 3072 / 5120, once at B = 1,
+         D = 1024 / 2048 / 2560 / 4096; bf16 x, fp32 per-sample modulation
+  tail   the forward by the share of rows left to short blocks after the wave (tail = 0, 5/8, 10/8, 10/4, 15/8,
+         20/16: percent / rows a block), alternated three times at the store stage's shapes (once at
+         D = 1024 / 2048 / 4096)
   host   host time of one forward+backward call per implementation (bench_adaln.host_time_us)
   ab     forward and backward at the rows of bench_adaln.py's long preset (N = 65536, D = 1536 / 3072 /
          5120; per-sample bf16 x with fp32 or bf16 modulation at B = 1 / 2, per-token bf16 at B = 1),
-         default settings, one line a shape: run once for each of two builds, in turn
-         (gpu_session.sh ab), to compare kernel versions
+         the kernels' own choices, one line a shape: run once for each of two builds, in turn
+         (gpu_session.sh ab), to compare kernel versions; forces nothing, so an older build runs it too
 
 Times are triton.testing.do_bench medians (ms) and fractions of speed-of-light: bytes that must move
 (per-sample forward 2, backward 3 x-sized tensors; per-token 4 and 6) / measured copy bandwidth.
@@ -61,15 +63,27 @@ def sol_ms(x: torch.Tensor, tensors: int, bw: float) -> float:
     return tensors * x.numel() * x.element_size() / bw * 1e3
 
 
-def by_setting(tt, label, fn, sol, var, values):
-    """Median of fn with env var `var` set to each value, as 'value: ms (% SoL)' cells; var is unset after."""
+def override(**settings):
+    """adaptiveload.ops._tuning.override(**settings), imported on use: the ab and host stages also run
+    against older builds, which set these choices otherwise."""
+    from adaptiveload.ops import _tuning
+
+    return _tuning.override(**settings)
+
+
+def label(value) -> str:
+    """A setting's value as the logs print it: a tail (P, R) as 'P/R'."""
+    return "/".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def by_setting(tt, label_, fn, sol, name, values):
+    """Median of fn with the kernels' setting `name` forced to each value, as 'value: ms (% SoL)' cells."""
     cells = []
     for value in values:
-        os.environ[var] = value
-        ms = median_ms(tt, fn)
-        cells.append(f"{value}: {ms:.3f} ms ({100 * sol / ms:.0f}%)")
-    os.environ.pop(var)
-    print(f"{label}: " + "; ".join(cells), flush=True)
+        with override(**{name: value}):
+            ms = median_ms(tt, fn)
+        cells.append(f"{label(value)}: {ms:.3f} ms ({100 * sol / ms:.0f}%)")
+    print(f"{label_}: " + "; ".join(cells), flush=True)
 
 
 def stage_sweep(tt, op, bwd, bw):
@@ -80,14 +94,12 @@ def stage_sweep(tt, op, bwd, bw):
         k = 2 if pt else 1
         solf, solb = sol_ms(x, 2 * k, bw), sol_ms(x, 3 * k, bw)
         for mt in (256, 512):
-            os.environ["ADAPTIVELOAD_MAX_THREADS"] = str(mt)
-            y, mean, rstd = op(x, None, None, s, h, EPS, torch.bfloat16)
-            f = median_ms(tt, lambda: op(x, None, None, s, h, EPS, torch.bfloat16))
-            os.environ["ADAPTIVELOAD_BWD"] = "one_pass"
-            g1 = median_ms(tt, lambda: bwd(dy, x, None, None, s, h, mean, rstd))
-            os.environ["ADAPTIVELOAD_BWD"] = "two_kernel"
-            g2 = median_ms(tt, lambda: bwd(dy, x, None, None, s, h, mean, rstd))
-            os.environ["ADAPTIVELOAD_BWD"] = "one_pass"
+            with override(max_threads=mt):
+                y, mean, rstd = op(x, None, None, s, h, EPS, torch.bfloat16)
+                f = median_ms(tt, lambda: op(x, None, None, s, h, EPS, torch.bfloat16))
+                g1 = median_ms(tt, lambda: bwd(dy, x, None, None, s, h, mean, rstd))
+                with override(two_kernel=True):
+                    g2 = median_ms(tt, lambda: bwd(dy, x, None, None, s, h, mean, rstd))
             print(f"B={B} N={N} D={D} pt={pt} max_threads={mt}: fwd {f:.3f} ms ({100 * solf / f:.0f}% SoL) "
                   f"bwd {g1:.3f} ({100 * solb / g1:.0f}%) two-kernel {g2:.3f} ({100 * solb / g2:.0f}%)", flush=True)
 
@@ -103,29 +115,24 @@ def stage_ring(tt, op, bwd, bw):
             sol_f, sol_b = sol_ms(x, 2, bw), sol_ms(x, 3, bw)
             copy = median_ms(tt, lambda: x.clone())  # the same 2 x-sized moves as the forward, by torch
             print(f"B={B} D={D} copy of x (clone): {copy:.3f} ms ({100 * sol_f / copy:.0f}%)", flush=True)
-            stages = ("0", "auto", "2", "3", "4", "8")
-            by_setting(tt, f"B={B} D={D} fwd stages", fwd, sol_f, "ADAPTIVELOAD_FWD_STAGES", stages)
-            by_setting(tt, f"B={B} D={D} bwd stages", back, sol_b, "ADAPTIVELOAD_BWD_STAGES", stages)
-            by_setting(tt, f"B={B} D={D} fwd row order, alternated", fwd, sol_f, "ADAPTIVELOAD_FWD_ROW_ORDER",
-                       ("tile", "interleave") * 3)
-            by_setting(tt, f"B={B} D={D} fwd store, alternated", fwd, sol_f, "ADAPTIVELOAD_FWD_STORE",
-                       ("threads", "bulk") * 3)
-            os.environ["ADAPTIVELOAD_FWD_STORE"] = "bulk"
-            by_setting(tt, f"B={B} D={D} fwd stages, bulk store", fwd, sol_f, "ADAPTIVELOAD_FWD_STAGES",
-                       ("auto", "3", "4", "8"))
-            os.environ.pop("ADAPTIVELOAD_FWD_STORE")
+            stages = (0, "auto", 2, 3, 4, 8)
+            by_setting(tt, f"B={B} D={D} fwd stages", fwd, sol_f, "fwd_stages", stages)
+            by_setting(tt, f"B={B} D={D} bwd stages", back, sol_b, "bwd_stages", stages)
+            by_setting(tt, f"B={B} D={D} fwd store, alternated", fwd, sol_f, "store", ("threads", "bulk") * 3)
+            with override(store="bulk"):
+                by_setting(tt, f"B={B} D={D} fwd stages, bulk store", fwd, sol_f, "fwd_stages", ("auto", 3, 4, 8))
             if D < 5120:  # fewer threads a row, more chunks a thread (the ring at auto)
-                caps = ("512", "256", "128", "64")
-                by_setting(tt, f"B={B} D={D} fwd max_threads", fwd, sol_f, "ADAPTIVELOAD_MAX_THREADS", caps)
-                by_setting(tt, f"B={B} D={D} bwd max_threads", back, sol_b, "ADAPTIVELOAD_MAX_THREADS", caps)
+                caps = (512, 256, 128, 64)
+                by_setting(tt, f"B={B} D={D} fwd max_threads", fwd, sol_f, "max_threads", caps)
+                by_setting(tt, f"B={B} D={D} bwd max_threads", back, sol_b, "max_threads", caps)
     for D in (1536, 3072, 5120):  # per-token scale and shift: 4 (forward) / 6 (backward) x-sized moves
         x, s, h = per_token(1, 65536, D)
         dy = torch.randn_like(x)
         y, mean, rstd = op(x, None, None, s, h, EPS, torch.bfloat16)
         by_setting(tt, f"B=1 D={D} per-token fwd stages", lambda: op(x, None, None, s, h, EPS, torch.bfloat16),
-                   sol_ms(x, 4, bw), "ADAPTIVELOAD_FWD_STAGES", ("0", "auto", "2", "3", "4"))
+                   sol_ms(x, 4, bw), "fwd_stages", (0, "auto", 2, 3, 4))
         by_setting(tt, f"B=1 D={D} per-token bwd stages", lambda: bwd(dy, x, None, None, s, h, mean, rstd),
-                   sol_ms(x, 6, bw), "ADAPTIVELOAD_BWD_STAGES", ("0", "auto", "2", "3", "4"))
+                   sol_ms(x, 6, bw), "bwd_stages", (0, "auto", 2, 3, 4))
 
 
 def stage_wide(tt, op, bwd, bw):
@@ -168,8 +175,8 @@ def stage_ab(tt, op, bwd, bw):
 
 
 def stage_store(tt, op, bwd, bw):
-    settings = (("auto", "auto", "auto"), ("threads", "auto", "auto"), ("bulk", "4", "auto"), ("bulk", "5", "auto"),
-                ("bulk", "6", "auto"), ("threads", "4", "auto"))
+    settings = (("auto", "auto", "auto"), ("threads", "auto", "auto"), ("bulk", 4, "auto"), ("bulk", 5, "auto"),
+                ("bulk", 6, "auto"), ("threads", 4, "auto"))
     for B, D, rounds in ((1, 1536, 3), (1, 3072, 3), (1, 5120, 3), (2, 1536, 3), (2, 3072, 3), (2, 5120, 3),
                          (1, 1024, 1), (1, 2048, 1), (1, 2560, 1), (1, 4096, 1)):
         x, s, h = per_sample(B, 65536, D, torch.bfloat16)
@@ -178,24 +185,21 @@ def stage_store(tt, op, bwd, bw):
         for rnd in range(rounds):
             cells = []
             for store, stages, cap in settings:
-                os.environ.update(ADAPTIVELOAD_FWD_STORE=store, ADAPTIVELOAD_FWD_STAGES=stages,
-                                  ADAPTIVELOAD_MAX_THREADS=cap)
-                ms = median_ms(tt, fwd)
+                with override(store=store, fwd_stages=stages, max_threads=cap):
+                    ms = median_ms(tt, fwd)
                 cells.append(f"{store}/{stages}/{cap}: {ms:.4f} ms ({100 * sol_f / ms:.1f}%)")
             print(f"B={B} D={D} fwd round {rnd} (store/slots/thread cap): " + "; ".join(cells), flush=True)
-    for var in ("ADAPTIVELOAD_FWD_STORE", "ADAPTIVELOAD_FWD_STAGES", "ADAPTIVELOAD_MAX_THREADS"):
-        os.environ.pop(var)
 
 
 def stage_tail(tt, op, bwd, bw):
-    settings = ("0", "5/8", "10/8", "10/4", "15/8", "20/16")
+    settings = (0, (5, 8), (10, 8), (10, 4), (15, 8), (20, 16))
     for B, D, rounds in ((1, 1536, 3), (1, 3072, 3), (1, 5120, 3), (2, 1536, 3), (2, 3072, 3), (2, 5120, 3),
                          (1, 1024, 1), (1, 2048, 1), (1, 4096, 1)):
         x, s, h = per_sample(B, 65536, D, torch.bfloat16)
         fwd = lambda: op(x, None, None, s, h, EPS, torch.bfloat16)  # noqa: E731
         for rnd in range(rounds):
-            by_setting(tt, f"B={B} D={D} fwd round {rnd} by tail (percent/rows)", fwd, sol_ms(x, 2, bw),
-                       "ADAPTIVELOAD_FWD_TAIL", settings)
+            by_setting(tt, f"B={B} D={D} fwd round {rnd} by tail (percent/rows)", fwd, sol_ms(x, 2, bw), "tail",
+                       settings)
 
 
 STAGES = {"sweep": stage_sweep, "ring": stage_ring, "wide": stage_wide, "ab": stage_ab, "store": stage_store,

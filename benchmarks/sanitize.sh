@@ -19,6 +19,7 @@ cat >"$CASES" <<'PY'
 import os
 import torch
 import adaptiveload  # noqa: F401
+from adaptiveload.ops import _tuning
 
 op, bwd = torch.ops.adaptiveload.adaln_modulate, torch.ops.adaptiveload.adaln_modulate_backward
 rms, rms_bwd = torch.ops.adaptiveload.rms_norm_modulate, torch.ops.adaptiveload.rms_norm_modulate_backward
@@ -37,21 +38,19 @@ cases = [  # (B, N, D, x dtype, modulation dtype, layout, affine)
     (1, 20000, 1536, torch.bfloat16, torch.bfloat16, "per-sample", True),
 ]
 for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
-    design = ("one_pass", "two_kernel")[i % 2]
-    os.environ["ADAPTIVELOAD_BWD"] = design
-    # the shared-memory rings where the case allows them (aligned rows; backward: <= 16 elements a
-    # thread, per-token scale rows in the slot in case 1, fp32 4 chunks in case 5; the ring in the
-    # two-kernel cases 1, 5 and 7; interleaved forward rows over blocks of several rows in case 7 (a
-    # 2-slot ring that wraps) and case 8 (the register path, forced with stages 0: its fp16 rows of
-    # D = 1000 are aligned, several a block); cases 0-6 have a row or a few per block, so there the
-    # two orders nearly coincide)
-    os.environ["ADAPTIVELOAD_FWD_STAGES"] = ("auto", "auto", "2", "0", "0", "3", "auto", "2", "0", "3")[i]
-    os.environ["ADAPTIVELOAD_BWD_STAGES"] = ("auto", "auto", "3", "0", "0", "auto", "0", "auto", "auto", "auto")[i]
-    os.environ["ADAPTIVELOAD_FWD_ROW_ORDER"] = "interleave" if i in (1, 3, 7, 8, 9) else "tile"
-    # y by bulk stores from the ring slots: case 0 (a row or so a block, 4 slots: the automatic count
-    # for the bulk store) and case 9 (3 slots, the fewest it takes, many rows a block, interleaved);
-    # case 7 asks with 2 slots (the threads store); the others take the launcher's choice
-    os.environ["ADAPTIVELOAD_FWD_STORE"] = "bulk" if i in (0, 7, 9) else "auto"
+    # forced through adaptiveload.ops._tuning.override, the kernels' own choice where "auto":
+    # the two-kernel backward in every other case; the shared-memory rings where the case allows them
+    # (aligned rows; backward: <= 16 elements a thread, per-token scale rows in the slot in case 1, fp32
+    # 4 chunks in case 5; the ring in the two-kernel cases 1, 5 and 7); interleaved forward rows over
+    # blocks of several rows in case 7 (a 2-slot ring that wraps) and case 8 (the register path,
+    # forced with stages 0: its fp16 rows of D = 1000 are aligned, several a block); cases 0-6 have a
+    # row or a few per block. y by bulk stores from the ring slots: case 0 (a row or so a block, 4
+    # slots: the automatic count for the bulk store) and case 9 (3 slots, the fewest it takes, many
+    # rows a block); case 7 asks with 2 slots (the threads store); the others take the launcher's choice
+    settings = dict(two_kernel=i % 2 == 1,
+                    fwd_stages=("auto", "auto", 2, 0, 0, 3, "auto", 2, 0, 3)[i],
+                    bwd_stages=("auto", "auto", 3, 0, 0, "auto", 0, "auto", "auto", "auto")[i],
+                    store="bulk" if i in (0, 7, 9) else "auto")
     x = torch.randn(B, N, D, device="cuda", generator=g).to(xdt)
     if layout == "strided":
         scale, shift = (t.unsqueeze(1) for t in torch.randn(B, 3 * D, device="cuda", generator=g).to(mdt).chunk(3, -1)[:2])
@@ -63,16 +62,16 @@ for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
         scale, shift = torch.randn(2, B, 1, D, device="cuda", generator=g).to(mdt).unbind(0)
     w = torch.randn(D, device="cuda", generator=g).to(xdt) if affine else None
     b = torch.randn(D, device="cuda", generator=g).to(xdt) if affine else None
-    if "adaln" in ops:
-        y, mean, rstd = op(x, w, b, scale, shift, 1e-6, xdt)
-        grads = bwd(torch.randn_like(y), x, w, b, scale, shift, mean, rstd)
-    if "rms" in ops:
-        h = None if i % 3 == 2 else shift
-        y, rstd = rms(x, w, scale, h, 1e-6, xdt)
-        grads = rms_bwd(torch.randn_like(y), x, w, scale, h, rstd)
-    torch.cuda.synchronize()
-    print("ok", ops, B, N, D, xdt, mdt, layout, affine, design, os.environ["ADAPTIVELOAD_FWD_STAGES"],
-          os.environ["ADAPTIVELOAD_BWD_STAGES"], flush=True)
+    with _tuning.override(**settings):
+        if "adaln" in ops:
+            y, mean, rstd = op(x, w, b, scale, shift, 1e-6, xdt)
+            grads = bwd(torch.randn_like(y), x, w, b, scale, shift, mean, rstd)
+        if "rms" in ops:
+            h = None if i % 3 == 2 else shift
+            y, rstd = rms(x, w, scale, h, 1e-6, xdt)
+            grads = rms_bwd(torch.randn_like(y), x, w, scale, h, rstd)
+        torch.cuda.synchronize()
+    print("ok", ops, B, N, D, xdt, mdt, layout, affine, settings, flush=True)
 PY
 status=0
 for tool in memcheck racecheck; do

@@ -2,11 +2,18 @@
 // adaln_modulate; rms_forward / rms_backward: RMSNorm, for rms_norm_modulate): validate every input
 // at the boundary (one TORCH_CHECK per constraint, naming the tensor and what was expected), allocate
 // the outputs and launch on the current stream. Called from adaptiveload/ops/<op>/op.py, which owns
-// each op's registrations (the public op's CUDA kernel is registered there, once).
+// each op's registrations (the public op's CUDA kernel is registered there, once). Every kernel
+// choice (block shape, ring slots, how y is stored, the short blocks after the wave, the backward's
+// design) is the launchers' own, from the shape, dtypes, layout and device; set_tuning forces them
+// for benchmarks and tests (adaptiveload/ops/_tuning.py).
 #include <torch/extension.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
+
+#include <atomic>
+#include <mutex>
+#include <tuple>
 
 #include "norm_modulate.cuh"
 
@@ -112,14 +119,66 @@ void check_mod_dtype(const Tensor& m, const Tensor& x, const char* name) {
               " must be float32 or x's dtype ", x.scalar_type(), ", got ", m.scalar_type());
 }
 
-// {y, mean (undefined for RMSNorm), rstd} of x viewed as [B, N, D]
-std::vector<Tensor> forward_rows(Norm norm, const Tensor& x, const optional<Tensor>& weight,
-                                 const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                                 double eps, bool out_fp32, int64_t max_threads, int64_t stages, bool interleave,
-                                 int64_t store, int64_t tail_pct, int64_t tail_rows) {
+// Kernel choices a benchmark or test may force (adaptiveload/ops/_tuning.py: override); each
+// default is "the launcher's choice", from the shape, the dtypes, the layout and the device, which
+// is what every call makes unless an override is set. Process-wide.
+struct Tuning {
+  int max_threads = 0;      // FwdArgs / BwdArgs::max_threads: 0 automatic, else 32..kMaxThreads
+  int fwd_stages = -1;      // FwdArgs::stages: -1 automatic, 0 the register path, 2..kMaxStages
+  int bwd_stages = -1;      // BwdArgs::stages, likewise
+  int store = -1;           // FwdArgs::store: -1 automatic, 0 threads, 1 bulk
+  int tail_pct = -1;        // FwdArgs::tail_pct: -1 automatic, 0..50
+  int tail_rows = 8;        // FwdArgs::tail_rows: 1..65536
+  bool two_kernel = false;  // BwdArgs::two_kernel: true forces the two-kernel backward everywhere
+};
+
+std::mutex tuning_mutex;
+Tuning tuning_set;                    // guarded by tuning_mutex
+std::atomic<bool> tuning_on{false};  // tuning_set differs from the defaults
+
+// The choices in force: the defaults, without a lock, unless an override is set.
+Tuning tuning() {
+  if (!tuning_on.load(std::memory_order_acquire)) return Tuning{};
+  std::lock_guard<std::mutex> lock(tuning_mutex);
+  return tuning_set;
+}
+
+void set_tuning(int64_t max_threads, int64_t fwd_stages, int64_t bwd_stages, int64_t store, int64_t tail_pct,
+                int64_t tail_rows, bool two_kernel) {
+  TORCH_CHECK(max_threads == 0 || (max_threads >= 32 && max_threads <= kMaxThreads),
+              "set_tuning: max_threads must be 0 (automatic) or 32..", kMaxThreads, ", got ", max_threads);
+  for (int64_t stages : {fwd_stages, bwd_stages})
+    TORCH_CHECK(stages == -1 || stages == 0 || (stages >= 2 && stages <= kMaxStages),
+                "set_tuning: stages must be -1 (automatic), 0 or 2..", kMaxStages, ", got ", stages);
+  TORCH_CHECK(store >= -1 && store <= 1, "set_tuning: store must be -1, 0 or 1, got ", store);
+  TORCH_CHECK(tail_pct >= -1 && tail_pct <= 50, "set_tuning: tail_pct must be -1 (automatic) or 0..50, got ", tail_pct);
+  TORCH_CHECK(tail_rows >= 1 && tail_rows <= 65536, "set_tuning: tail_rows must be 1..65536, got ", tail_rows);
+  Tuning t;
+  t.max_threads = static_cast<int>(max_threads);
+  t.fwd_stages = static_cast<int>(fwd_stages);
+  t.bwd_stages = static_cast<int>(bwd_stages);
+  t.store = static_cast<int>(store);
+  t.tail_pct = static_cast<int>(tail_pct);
+  t.tail_rows = static_cast<int>(tail_rows);
+  t.two_kernel = two_kernel;
+  const Tuning d;
+  std::lock_guard<std::mutex> lock(tuning_mutex);
+  tuning_set = t;
+  tuning_on.store(t.max_threads != d.max_threads || t.fwd_stages != d.fwd_stages || t.bwd_stages != d.bwd_stages ||
+                      t.store != d.store || t.tail_pct != d.tail_pct || t.tail_rows != d.tail_rows ||
+                      t.two_kernel != d.two_kernel,
+                  std::memory_order_release);
+}
+
+// What the forward and the backward launchers share of their kernel arguments (FwdArgs, BwdArgs),
+// from x viewed as [B, N, D] and its parameters, checked here: the dtypes, the norm, the pointers,
+// the sizes, the block-shape cap and ring slots, and `aligned` as far as these tensors go (the
+// caller adds its own).
+template <typename Args>
+void fill_rows(Args& a, Norm norm, const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
+               const Tensor& scale, const optional<Tensor>& shift, int max_threads, int stages) {
   check_x(x, "x");
-  const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
-  FwdArgs a;
+  const int64_t D = x.size(2);
   a.xt = to_dtype(x, "x");
   TORCH_CHECK(D <= max_features(a.xt), "norm_modulate kernels: D = ", D, " exceeds the kernel's ", max_features(a.xt),
               " features for ", x.scalar_type());
@@ -128,67 +187,68 @@ std::vector<Tensor> forward_rows(Norm norm, const Tensor& x, const optional<Tens
   if (shift.has_value())
     TORCH_CHECK(shift->scalar_type() == scale.scalar_type(), "norm_modulate kernels: shift dtype ", shift->scalar_type(),
                 " must equal scale dtype ", scale.scalar_type());
-  c10::cuda::CUDAGuard guard(x.device());
-  auto out = at::empty({B, N, D}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
-  Tensor mean = norm == Norm::RMS ? Tensor() : at::empty({B, N}, x.options().dtype(at::kFloat));
-  auto rstd = at::empty({B, N}, x.options().dtype(at::kFloat));
   a.norm = norm;
-  a.ot = out_fp32 ? DType::F32 : a.xt;
   a.x = x.data_ptr();
-  a.y = out.data_ptr();
-  a.mean = mean.defined() ? mean.data_ptr<float>() : nullptr;
-  a.rstd = rstd.data_ptr<float>();
   a.weight = affine_ptr(weight, x, "weight");
   a.bias = affine_ptr(bias, x, "bias");
   a.scale = mod_view(scale, x, "scale");
   if (shift.has_value()) a.shift = mod_view(*shift, x, "shift");
-  a.B = B;
-  a.N = N;
+  a.B = x.size(0);
+  a.N = x.size(1);
   a.D = static_cast<int>(D);
-  a.eps = static_cast<float>(eps);
-  a.max_threads = static_cast<int>(max_threads);
-  a.stages = static_cast<int>(stages);
-  a.interleave = interleave;
-  a.store = static_cast<int>(store);
-  a.tail_pct = static_cast<int>(tail_pct);
-  a.tail_rows = static_cast<int>(tail_rows);
+  a.max_threads = max_threads;
+  a.stages = stages;
   const int64_t vec = a.xt == DType::F32 ? 4 : 8;
-  a.aligned = D % vec == 0 && aligned16(a.x) && aligned16(a.y) && (!a.weight || aligned16(a.weight)) &&
-              (!a.bias || aligned16(a.bias)) && mod_aligned(a.scale, scale.element_size()) &&
-              mod_aligned(a.shift, scale.element_size());
+  a.aligned = D % vec == 0 && aligned16(a.x) && (!a.weight || aligned16(a.weight)) && (!a.bias || aligned16(a.bias)) &&
+              mod_aligned(a.scale, scale.element_size()) && mod_aligned(a.shift, scale.element_size());
+}
+
+// {y, mean (undefined for RMSNorm), rstd} of x viewed as [B, N, D]
+std::vector<Tensor> forward_rows(Norm norm, const Tensor& x, const optional<Tensor>& weight,
+                                 const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                                 double eps, bool out_fp32) {
+  const Tuning t = tuning();
+  FwdArgs a;
+  fill_rows(a, norm, x, weight, bias, scale, shift, t.max_threads, t.fwd_stages);
+  c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty({a.B, a.N, a.D}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
+  Tensor mean = norm == Norm::RMS ? Tensor() : at::empty({a.B, a.N}, x.options().dtype(at::kFloat));
+  auto rstd = at::empty({a.B, a.N}, x.options().dtype(at::kFloat));
+  a.ot = out_fp32 ? DType::F32 : a.xt;
+  a.y = out.data_ptr();
+  a.mean = mean.defined() ? mean.data_ptr<float>() : nullptr;
+  a.rstd = rstd.data_ptr<float>();
+  a.eps = static_cast<float>(eps);
+  a.store = t.store;
+  a.tail_pct = t.tail_pct;
+  a.tail_rows = t.tail_rows;
+  a.aligned = a.aligned && aligned16(a.y);
   launch_forward(a, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, mean, rstd};
 }
 
-// Returns [dx, dscale, dshift, dweight, dbias]:
+// {dx, dscale, dshift, dweight, dbias} of x viewed as [B, N, D]; mean: none for RMSNorm.
 //   dscale: [B, N, D] in scale's dtype when scale is per-token (Nm == N > 1), else fp32 [B, D]
 //           per-sample sums (the caller sums over B for a shared scale);
 //   dshift: likewise, or empty without shift; dweight, dbias: fp32 [D], or empty when absent.
-// {dx, dscale, dshift, dweight, dbias} of x viewed as [B, N, D]; mean: none for RMSNorm
 std::vector<Tensor> backward_rows(Norm norm, const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
                                   const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                                  const optional<Tensor>& mean, const Tensor& rstd, bool two_kernel,
-                                  int64_t max_threads, int64_t stages) {
-  check_x(x, "x");
+                                  const optional<Tensor>& mean, const Tensor& rstd) {
+  const Tuning t = tuning();
+  BwdArgs a;
+  fill_rows(a, norm, x, weight, bias, scale, shift, t.max_threads, t.bwd_stages);
+  const int64_t B = a.B, N = a.N, D = a.D;
   check_x(dy, "dy");
-  const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
   TORCH_CHECK(dy.sizes() == x.sizes(), "norm_modulate kernels (backward): dy shape ", dy.sizes(), " must equal x shape ",
               x.sizes());
   check_same_device(dy, x, "dy");
-  BwdArgs a;
-  a.xt = to_dtype(x, "x");
-  TORCH_CHECK(D <= max_features(a.xt), "norm_modulate kernels: D = ", D, " exceeds the kernel's ", max_features(a.xt),
-              " features for ", x.scalar_type());
   a.dyt = to_dtype(dy, "dy");
   TORCH_CHECK(dy.scalar_type() == x.scalar_type() || dy.scalar_type() == at::kFloat,
               "norm_modulate kernels (backward): dy must be float32 or x's dtype ", x.scalar_type(), ", got ",
               dy.scalar_type());
-  check_mod_dtype(scale, x, "scale");
-  a.mt = to_dtype(scale, "scale");
-  if (shift.has_value())
-    TORCH_CHECK(shift->scalar_type() == scale.scalar_type(), "norm_modulate kernels: shift dtype ", shift->scalar_type(),
-                " must equal scale dtype ", scale.scalar_type());
+  TORCH_CHECK(mean.has_value() == (norm == Norm::Layer), "norm_modulate kernels (backward): mean is ",
+              norm == Norm::Layer ? "required" : "not taken", " for this norm");
   for (const Tensor* s : {mean.has_value() ? &*mean : nullptr, &rstd}) {
     if (s == nullptr) continue;
     const char* name = s == &rstd ? "rstd" : "mean";
@@ -198,23 +258,10 @@ std::vector<Tensor> backward_rows(Norm norm, const Tensor& dy, const Tensor& x, 
                 " elements (one per row), got shape ", s->sizes(), " dtype ", s->scalar_type());
   }
   c10::cuda::CUDAGuard guard(x.device());
-  TORCH_CHECK(mean.has_value() == (norm == Norm::Layer), "norm_modulate kernels (backward): mean is ",
-              norm == Norm::Layer ? "required" : "not taken", " for this norm");
-  a.norm = norm;
   a.dy = dy.data_ptr();
-  a.x = x.data_ptr();
   a.mean = mean.has_value() ? mean->data_ptr<float>() : nullptr;
   a.rstd = rstd.data_ptr<float>();
-  a.weight = affine_ptr(weight, x, "weight");
-  a.bias = affine_ptr(bias, x, "bias");
-  a.scale = mod_view(scale, x, "scale");
-  if (shift.has_value()) a.shift = mod_view(*shift, x, "shift");
-  a.B = B;
-  a.N = N;
-  a.D = static_cast<int>(D);
-  a.two_kernel = two_kernel;
-  a.max_threads = static_cast<int>(max_threads);
-  a.stages = static_cast<int>(stages);
+  a.two_kernel = t.two_kernel;
 
   auto f32 = x.options().dtype(at::kFloat);
   auto dx = at::empty_like(x);
@@ -234,11 +281,8 @@ std::vector<Tensor> backward_rows(Norm norm, const Tensor& dy, const Tensor& x, 
   if (weight.has_value()) a.dweight = dweight.data_ptr<float>();
   if (bias.has_value()) a.dbias = dbias.data_ptr<float>();
 
-  const int64_t vec = a.xt == DType::F32 ? 4 : 8;
-  a.aligned = D % vec == 0 && aligned16(a.x) && aligned16(a.dy) && aligned16(a.dx) &&
-              (!a.weight || aligned16(a.weight)) && (!a.bias || aligned16(a.bias)) &&
-              mod_aligned(a.scale, scale.element_size()) && mod_aligned(a.shift, scale.element_size()) &&
-              (!a.dscale_el || aligned16(a.dscale_el)) && (!a.dshift_el || aligned16(a.dshift_el));
+  a.aligned = a.aligned && aligned16(a.dy) && aligned16(a.dx) && (!a.dscale_el || aligned16(a.dscale_el)) &&
+              (!a.dshift_el || aligned16(a.dshift_el));
   backward_plan(a);  // after the alignment: the ring (a.stages) needs aligned rows
   auto ws = at::empty({3, a.tiles, B, D}, f32);
   a.ws = ws.data_ptr<float>();
@@ -308,17 +352,15 @@ optional<Tensor> affine_f32(const optional<Tensor>& t) {
 
 std::vector<int64_t> stat_shape(const Tensor& x) { return {x.sizes().begin(), x.sizes().end() - 1}; }
 
-// y = LayerNorm(x) * (1 + scale) + shift in out_dtype, and the fp32 per-row mean and rstd.
-// {y, mean (undefined for RMSNorm), rstd} in x's shape: the CUDA body of either op's forward
+// {y, mean (undefined for RMSNorm), rstd} in x's shape, y in out_dtype, the per-row statistics in
+// fp32: the CUDA body of either op's forward
 std::vector<Tensor> op_forward(Norm norm, const Tensor& x, const optional<Tensor>& weight,
                                const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                               double eps, at::ScalarType out_dtype, int64_t max_threads, int64_t stages,
-                               bool interleave, int64_t store, int64_t tail_pct, int64_t tail_rows) {
+                               double eps, at::ScalarType out_dtype) {
   const int64_t B = x.size(0), D = x.size(-1);
   const auto [scale_rows, shift_rows] = scale_shift_rows(x, scale, shift);
   auto out = forward_rows(norm, x.contiguous().view({B, -1, D}), affine_f32(weight), affine_f32(bias), scale_rows,
-                          shift_rows, eps, out_dtype != x.scalar_type(), max_threads, stages,
-                          interleave, store, tail_pct, tail_rows);
+                          shift_rows, eps, out_dtype != x.scalar_type());
   Tensor y = out[0];
   if (out_dtype != x.scalar_type() && out_dtype != at::kFloat) y = y.to(out_dtype);
   return {y.view(x.sizes()), out[1].defined() ? out[1].view(stat_shape(x)) : out[1], out[2].view(stat_shape(x))};
@@ -326,20 +368,15 @@ std::vector<Tensor> op_forward(Norm norm, const Tensor& x, const optional<Tensor
 
 std::tuple<Tensor, Tensor, Tensor> adaln_forward(const Tensor& x, const optional<Tensor>& weight,
                                                  const optional<Tensor>& bias, const Tensor& scale,
-                                                 const optional<Tensor>& shift, double eps, at::ScalarType out_dtype,
-                                                 int64_t max_threads, int64_t stages, bool interleave,
-                                                 int64_t store, int64_t tail_pct, int64_t tail_rows) {
-  auto out = op_forward(Norm::Layer, x, weight, bias, scale, shift, eps, out_dtype, max_threads, stages, interleave,
-                        store, tail_pct, tail_rows);
+                                                 const optional<Tensor>& shift, double eps,
+                                                 at::ScalarType out_dtype) {
+  auto out = op_forward(Norm::Layer, x, weight, bias, scale, shift, eps, out_dtype);
   return {out[0], out[1], out[2]};
 }
 
 std::tuple<Tensor, Tensor> rms_forward(const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
-                                       const optional<Tensor>& shift, double eps, at::ScalarType out_dtype,
-                                       int64_t max_threads, int64_t stages, bool interleave, int64_t store,
-                                       int64_t tail_pct, int64_t tail_rows) {
-  auto out = op_forward(Norm::RMS, x, weight, c10::nullopt, scale, shift, eps, out_dtype, max_threads, stages,
-                        interleave, store, tail_pct, tail_rows);
+                                       const optional<Tensor>& shift, double eps, at::ScalarType out_dtype) {
+  auto out = op_forward(Norm::RMS, x, weight, c10::nullopt, scale, shift, eps, out_dtype);
   return {out[0], out[2]};
 }
 
@@ -360,16 +397,14 @@ Tensor stat_rows(const Tensor& s) { return s.to(at::kFloat).contiguous().view(-1
 // absent input): the CUDA body of either op's backward (mean: none for RMSNorm)
 std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x, const optional<Tensor>& weight,
                                 const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                                const optional<Tensor>& mean, const Tensor& rstd, bool two_kernel,
-                                int64_t max_threads, int64_t stages) {
+                                const optional<Tensor>& mean, const Tensor& rstd) {
   const int64_t B = x.size(0), D = x.size(-1);
   const Tensor dy = dy_in.scalar_type() == x.scalar_type() || dy_in.scalar_type() == at::kFloat ? dy_in : dy_in.to(at::kFloat);
   const auto [scale_rows, shift_rows] = scale_shift_rows(x, scale, shift);
   optional<Tensor> mean_rows;
   if (mean.has_value()) mean_rows = stat_rows(*mean);
   auto g = backward_rows(norm, dy.contiguous().view({B, -1, D}), x.contiguous().view({B, -1, D}), affine_f32(weight),
-                         affine_f32(bias), scale_rows, shift_rows, mean_rows, stat_rows(rstd), two_kernel, max_threads,
-                         stages);
+                         affine_f32(bias), scale_rows, shift_rows, mean_rows, stat_rows(rstd));
   optional<Tensor> dweight, dbias, dshift;
   if (weight.has_value()) dweight = g[3].to(weight->scalar_type());
   if (bias.has_value()) dbias = g[4].to(bias->scalar_type());
@@ -379,18 +414,15 @@ std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x,
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> adaln_backward(
     const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
-    const Tensor& scale, const optional<Tensor>& shift, const Tensor& mean, const Tensor& rstd, bool two_kernel,
-    int64_t max_threads, int64_t stages) {
-  auto g = op_backward(Norm::Layer, dy, x, weight, bias, scale, shift, mean, rstd, two_kernel, max_threads, stages);
+    const Tensor& scale, const optional<Tensor>& shift, const Tensor& mean, const Tensor& rstd) {
+  auto g = op_backward(Norm::Layer, dy, x, weight, bias, scale, shift, mean, rstd);
   return {g[0], g[1], g[2], g[3], g[4]};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x,
                                                         const optional<Tensor>& weight, const Tensor& scale,
-                                                        const optional<Tensor>& shift, const Tensor& rstd,
-                                                        bool two_kernel, int64_t max_threads, int64_t stages) {
-  auto g = op_backward(Norm::RMS, dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd, two_kernel,
-                       max_threads, stages);
+                                                        const optional<Tensor>& shift, const Tensor& rstd) {
+  auto g = op_backward(Norm::RMS, dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd);
   return {g[0], g[1], g[3], g[4]};
 }
 
@@ -400,33 +432,34 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rms_backward(const Tensor& dy, const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused norm -> adaptive modulation CUDA kernels (adaptiveload): LayerNorm and RMSNorm";
   m.def("forward", &adaln::adaln_forward,
-        "y, mean, rstd = forward(x[B,...,D], weight?, bias?, scale, shift?, eps, out_dtype, max_threads, stages, "
-        "interleave, store, tail_pct, tail_rows): "
+        "y, mean, rstd = forward(x[B,...,D], weight?, bias?, scale, shift?, eps, out_dtype): "
         "the CUDA body of adaptiveload::adaln_modulate (inputs validated by the caller)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"), py::arg("eps"),
-        py::arg("out_dtype"), py::arg("max_threads") = 0, py::arg("stages") = -1, py::arg("interleave") = true,
-        py::arg("store") = -1, py::arg("tail_pct") = -1, py::arg("tail_rows") = 8);
+        py::arg("out_dtype"));
   m.def("backward", &adaln::adaln_backward,
-        "dx, dweight, dbias, dscale, dshift = backward(dy, x, weight?, bias?, scale, shift?, mean, rstd, "
-        "two_kernel, max_threads, stages): the CUDA body of adaptiveload::adaln_modulate_backward",
+        "dx, dweight, dbias, dscale, dshift = backward(dy, x, weight?, bias?, scale, shift?, mean, rstd): "
+        "the CUDA body of adaptiveload::adaln_modulate_backward",
         py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"),
-        py::arg("mean"), py::arg("rstd"), py::arg("two_kernel") = false,
-        py::arg("max_threads") = 0, py::arg("stages") = -1);
+        py::arg("mean"), py::arg("rstd"));
   m.def("rms_forward", &adaln::rms_forward,
-        "y, rstd = rms_forward(x[B,...,D], weight?, scale, shift?, eps, out_dtype, max_threads, stages, "
-        "interleave, store, tail_pct, tail_rows): the CUDA body of adaptiveload::rms_norm_modulate",
-        py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("shift"), py::arg("eps"), py::arg("out_dtype"),
-        py::arg("max_threads") = 0, py::arg("stages") = -1, py::arg("interleave") = true, py::arg("store") = -1,
-        py::arg("tail_pct") = -1, py::arg("tail_rows") = 8);
+        "y, rstd = rms_forward(x[B,...,D], weight?, scale, shift?, eps, out_dtype): the CUDA body of "
+        "adaptiveload::rms_norm_modulate",
+        py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("shift"), py::arg("eps"), py::arg("out_dtype"));
   m.def("rms_backward", &adaln::rms_backward,
-        "dx, dweight, dscale, dshift = rms_backward(dy, x, weight?, scale, shift?, rstd, two_kernel, max_threads, "
-        "stages): the CUDA body of adaptiveload::rms_norm_modulate_backward",
-        py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("shift"), py::arg("rstd"),
-        py::arg("two_kernel") = false, py::arg("max_threads") = 0, py::arg("stages") = -1);
+        "dx, dweight, dscale, dshift = rms_backward(dy, x, weight?, scale, shift?, rstd): the CUDA body of "
+        "adaptiveload::rms_norm_modulate_backward",
+        py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("shift"), py::arg("rstd"));
+  m.def("set_tuning", &adaln::set_tuning,
+        "force kernel choices, process-wide (adaptiveload.ops._tuning.override; benchmarks and tests): "
+        "max_threads (0: automatic), fwd_stages / bwd_stages (-1: automatic), store (-1: automatic, 0 threads, "
+        "1 bulk), tail_pct (-1: automatic), tail_rows, two_kernel; the defaults are the launchers' own choices",
+        py::arg("max_threads"), py::arg("fwd_stages"), py::arg("bwd_stages"), py::arg("store"), py::arg("tail_pct"),
+        py::arg("tail_rows"), py::arg("two_kernel"));
+  m.def("tuning", [] {
+    const adaln::Tuning t = adaln::tuning();
+    return std::make_tuple(t.max_threads, t.fwd_stages, t.bwd_stages, t.store, t.tail_pct, t.tail_rows, t.two_kernel);
+  }, "the kernel choices in force, as set_tuning's arguments");
   m.def("modulation_rows", [](const at::Tensor& t, const at::Tensor& x) { return adaln::modulation_rows(t, x, t.scalar_type()); },
         "the [B or 1, N or 1, D] row view of modulation t that the kernels read for x (a copy only where the "
         "token dims do not collapse to one stride or D is not unit-stride)", py::arg("t"), py::arg("x"));
-  m.def("max_features", [](const std::string& dtype) {
-    return adaln::max_features(dtype == "float32" ? adaln::DType::F32 : adaln::DType::BF16);
-  }, "largest D the kernels take for x of this dtype ('float32', 'bfloat16', 'float16')");
 }

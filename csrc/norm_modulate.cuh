@@ -62,22 +62,22 @@ struct FwdArgs {
   float eps = 0.f;
   DType xt = DType::F32, mt = DType::F32, ot = DType::F32;
   bool aligned = false;  // every row start and modulation row is 16-byte aligned and D % VEC == 0
-  // Threads-per-block cap (tuning knob; fewer threads, more chunks); 0: automatic (ring_row_shape).
+  // The launcher's choices below are automatic (from the shape and the device) unless a benchmark or
+  // test forces one (csrc/norm_modulate.cu: Tuning, set by adaptiveload/ops/_tuning.py).
+  // Threads-per-block cap (fewer threads, more chunks); 0: automatic (ring_row_shape).
   int max_threads = 0;
   // Rows of the forward's shared-memory ring: 0 = register prefetch (one row ahead), -1 = chosen by
   // the launcher, 2..kMaxStages = that many (the launcher falls back to 0 where the ring cannot run).
   int stages = 0;
-  // Row order of a forward block: true = interleaved (rows t, t + tiles, ... of its sample, so the
-  // blocks of the wave sweep x together; the default), false = a tile of consecutive rows.
-  bool interleave = true;
   // How the ring forward writes y: 1 = into the row's ring slot, stored by the copy engine (a bulk
   // store; per-sample or shared modulation, y of x's element size, >= 3 slots), 0 = each thread its
   // own 16-byte groups, -1 = chosen by the launcher (kBulkStoreRowBytes). Same bits either way.
   int store = -1;
-  // Interleaved order: the wave takes main_rows rows a sample (a whole number per block), then
-  // tail_blocks short blocks a sample take tail_rows consecutive rows each, launched after the wave so
-  // that the SMs that finish their share first take them. tail_pct: the share of the rows left to them
-  // (-1 = chosen by the launcher, 0 = none); main_rows and tail_blocks are set by the launcher.
+  // A block takes rows t, t + tiles, ... of its sample (interleaved, so the blocks of the wave sweep x
+  // together): the wave takes main_rows rows a sample (a whole number per block), then tail_blocks
+  // short blocks a sample take tail_rows consecutive rows each, launched after the wave so that the
+  // SMs that finish their share first take them. tail_pct: the share of the rows left to them (-1 =
+  // chosen by the launcher, 0 = none); main_rows and tail_blocks are set by the launcher.
   int tail_pct = -1;
   int tail_rows = 8;
   int64_t main_rows = 0, tail_blocks = 0;
@@ -147,7 +147,13 @@ int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_by
 int max_features(DType xt);
 
 void launch_forward(const FwdArgs& a, cudaStream_t stream);  // by a.norm
-int num_sms();  // of the current device
+// What the launchers' choices read of the current device, queried once per device.
+struct DeviceProps {
+  int sms = 1;         // streaming multiprocessors
+  int major = 0;       // compute capability major (9: sm_90, the ring's bulk copies)
+  int smem_optin = 0;  // shared memory a block may opt in to, bytes
+};
+const DeviceProps& device_props();
 // Sets a.tiles and a.rows_per_tile (one wave of blocks; sizes the [3, tiles, B, D] workspace).
 void backward_plan(BwdArgs& a);
 void launch_backward(const BwdArgs& a, cudaStream_t stream);  // by a.norm
@@ -190,12 +196,10 @@ void one_wave(Kernel kernel, int threads, size_t smem, int64_t B, int64_t N, boo
     if (smem > 47 * 1024) {
       // the opt-in is one ceiling per kernel: raise it to the device's limit, not to this shape's
       // size, or a later launch of a larger cached shape (same kernel, more threads) would fail
-      int optin = 0;
       cudaFuncAttributes attr{};
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
       cudaFuncGetAttributes(&attr, kernel);
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           optin - static_cast<int>(attr.sharedSizeBytes));
+                           device_props().smem_optin - static_cast<int>(attr.sharedSizeBytes));
     }
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess || per_sm < 1) {
       (void)cudaGetLastError();
@@ -204,7 +208,7 @@ void one_wave(Kernel kernel, int threads, size_t smem, int64_t B, int64_t N, boo
     std::lock_guard<std::mutex> lock(mu);
     cache[key] = per_sm;
   }
-  const int64_t target = static_cast<int64_t>(num_sms()) * per_sm;
+  const int64_t target = static_cast<int64_t>(device_props().sms) * per_sm;
   tiles = interleaved ? target / B : (target + B - 1) / B;  // (interleaved: one wave while B <= target)
   tiles = tiles < 1 ? 1 : (tiles > N ? N : tiles);
   rows_per_tile = (N + tiles - 1) / tiles;

@@ -22,7 +22,7 @@
 // a.stages slots in shared memory filled by bulk copies a.stages rows ahead (as the forward's RING),
 // instead of the one-row register prefetch; a slot is refilled after the row's block reduction.
 //
-// Two kernels (the reference design, ADAPTIVELOAD_BWD=two_kernel; also taken for per-sample/shared
+// Two kernels (the reference design, forced by BwdArgs::two_kernel; also taken for per-sample/shared
 // rows too wide for the ring, see kBwdRingElems): the row kernel computes dx only, and a column
 // kernel over (d_tile, row tile, sample) re-reads x and dy for the partials: 5 x-sized tensors move
 // instead of 3.

@@ -7,11 +7,11 @@
 // rows of one sample, so a per-sample modulation row is read once per block and folded with the
 // LayerNorm affine into two per-column coefficients, kept in shared memory:
 //     y = x_hat * alpha + beta,   alpha = w * (1 + scale),   beta = b * (1 + scale) + shift.
-// The i-th block of a sample takes its rows i, i + tiles, i + 2 tiles, ... (FwdArgs::interleave, the
-// default), so at any time the wave reads a window of neighbouring rows, as a copy kernel does; a
-// tile of consecutive rows per block measured 3-4 points of SoL slower at D = 1536 (KERNEL_NOTES v14).
-// With interleaved rows the wave takes FwdArgs::main_rows of each sample, and short blocks of
-// tail_rows consecutive rows, launched after it, take the rest as SMs free up (KERNEL_NOTES v20).
+// The i-th block of a sample takes its rows i, i + tiles, i + 2 tiles, ..., so at any time the wave
+// reads a window of neighbouring rows, as a copy kernel does (a tile of consecutive rows per block
+// measured 1-6 points of SoL slower: KERNEL_NOTES v14). The wave takes FwdArgs::main_rows of
+// each sample, and short blocks of tail_rows consecutive rows, launched after it, take the rest as
+// SMs free up (KERNEL_NOTES v20).
 // A block of T threads covers one row at a time; thread t owns the 16-byte groups t, t + T, ...
 // (C of them), so the row stays in registers and the next row's x is loaded while the current
 // row is reduced. LayerNorm statistics are two-pass in fp32 (mean, then the mean of squared
@@ -38,25 +38,24 @@
 namespace adaln {
 
 template <Norm N, typename Tx, typename Tm, typename To, int C, bool PT, bool RING>
-__global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64_t tiles, int64_t rows_per_tile) {
+__global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64_t tiles) {
   constexpr bool RMS = N == Norm::RMS;
   constexpr int VEC = 16 / sizeof(Tx);
   __shared__ float red[2 * 1 * 32];
   __shared__ __align__(8) uint64_t full[RING ? kMaxStages : 1];
   int parity = 0;
-  // The block's rows: the k-th (0 <= k < count) is row first + k * step of sample b. Tile order: a
-  // tile of consecutive rows; interleaved order (a.interleave): rows t, t + tiles, t + 2 tiles, ...
-  // of the sample's first main_rows, so that at any time the blocks of a wave read neighbouring rows;
-  // after the wave's B * tiles blocks, short blocks of tail_rows consecutive rows take the rest.
+  // The block's rows: the k-th (0 <= k < count) is row first + k * step of sample b: rows t,
+  // t + tiles, t + 2 tiles, ... of the sample's first main_rows, so that at any time the blocks of a
+  // wave read neighbouring rows; after the wave's B * tiles blocks, short blocks of tail_rows
+  // consecutive rows take the rest.
   const int64_t wave = a.B * tiles;
   const bool tail = blockIdx.x >= wave;
   const int64_t j = tail ? blockIdx.x - wave : blockIdx.x, per = tail ? a.tail_blocks : tiles;
   const int64_t b = j / per, t = j % per;
-  const int64_t first = tail ? a.main_rows + t * a.tail_rows : (a.interleave ? t : t * rows_per_tile);
-  const int64_t step = a.interleave && !tail ? tiles : 1;
+  const int64_t first = tail ? a.main_rows + t * a.tail_rows : t;
+  const int64_t step = tail ? 1 : tiles;
   const int64_t count = tail ? min(static_cast<int64_t>(a.tail_rows), a.N - first)
-                             : (a.interleave ? (t < a.main_rows ? (a.main_rows - 1 - t) / tiles + 1 : 0)
-                                             : min(a.N, first + rows_per_tile) - min(a.N, first));
+                             : (t < a.main_rows ? (a.main_rows - 1 - t) / tiles + 1 : 0);
   if (count <= 0) return;  // whole block: no barrier is skipped by part of it
   const int D = a.D, T = blockDim.x, tid = threadIdx.x;
   const bool al = a.aligned;
@@ -295,19 +294,19 @@ void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
     a.stages = stages;
     a.store = bulk ? 1 : 0;
     const size_t smem = coef_smem_bytes(2, rs.chunks, rs.threads, a.xt) + stages * slot;
-    int64_t tiles, rpt;
-    one_wave(kernel, rs.threads, smem, a.B, a.N, a.interleave, tiles, rpt);
+    int64_t tiles, rows_per_tile;  // (the interleaved order needs only the tile count)
+    one_wave(kernel, rs.threads, smem, a.B, a.N, /*interleaved=*/true, tiles, rows_per_tile);
     const int pct = a.tail_pct >= 0 ? a.tail_pct
                     : (static_cast<size_t>(a.D) * sizeof(Tx) <= kFwdTailRowBytes ? kFwdTailPctNarrow : kFwdTailPctWide);
     const int64_t per_block = a.N * (100 - pct) / 100 / tiles;  // the wave's rows a block
     a.main_rows = a.N;
     a.tail_blocks = 0;
-    if (a.interleave && pct > 0 && a.tail_rows > 0 && per_block >= 2) {
+    if (pct > 0 && a.tail_rows > 0 && per_block >= 2) {
       a.main_rows = per_block * tiles;
       a.tail_blocks = (a.N - a.main_rows + a.tail_rows - 1) / a.tail_rows;
       if (a.B * (tiles + a.tail_blocks) > kMaxGridX) a.main_rows = a.N, a.tail_blocks = 0;  // (gridDim.x)
     }
-    kernel<<<static_cast<unsigned>(a.B * (tiles + a.tail_blocks)), rs.threads, smem, stream>>>(a, tiles, rpt);
+    kernel<<<static_cast<unsigned>(a.B * (tiles + a.tail_blocks)), rs.threads, smem, stream>>>(a, tiles);
   };
   // the ring where it compiles without spills (its own, narrower block shape), else the register prefetch
   const int ring_chunks = pt ? kRingChunksPerToken : kRingChunks;

@@ -1,5 +1,9 @@
 // Host-side launch helpers shared by every kernel of the norm -> modulate ops: block shapes, the
-// device's SM count, the shared-memory ring's slot count (declared in norm_modulate.cuh).
+// device's properties (cached), the shared-memory ring's slot count (declared in norm_modulate.cuh).
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "norm_modulate.cuh"
 
 namespace adaln {
@@ -26,34 +30,59 @@ RowShape ring_row_shape(int D, DType xt, int max_threads, int ring_chunks) {
 
 int max_features(DType) { return kMaxFeatures; }
 
-int num_sms() {
-  static int cached[64] = {0};  // per device ordinal; a benign race writes the same value
+const DeviceProps& device_props() {
+  constexpr int kMaxDevices = 64;
+  static DeviceProps props[kMaxDevices];
+  static std::once_flag queried[kMaxDevices];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+    (void)cudaGetLastError();
+    dev = 0;
+  }
+  std::call_once(queried[dev], [dev] {
+    DeviceProps& p = props[dev];
+    if (cudaDeviceGetAttribute(&p.sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&p.major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&p.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      p = DeviceProps{};  // one SM, no ring: every launch still runs
+    }
+    if (p.sms < 1) p.sms = 1;
+  });
+  return props[dev];
+}
+
+namespace {
+
+// The PTX version `kernel` was compiled for (90: sm_90, with the bulk copies), or 0; queried once per
+// kernel and device.
+int ptx_version(const void* kernel) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> cache;
   int dev = 0;
   cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64) dev = 0;
-  if (cached[dev] == 0) {
-    int n = 0;
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    cached[dev] = n > 0 ? n : 1;
-  }
-  return cached[dev];
+  const auto key = std::make_pair(kernel, dev);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  cudaFuncAttributes attr{};
+  int version = 0;
+  if (cudaFuncGetAttributes(&attr, kernel) == cudaSuccess) version = attr.ptxVersion;
+  else (void)cudaGetLastError();
+  cache[key] = version;
+  return version;
 }
+
+}  // namespace
 
 int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_bytes, size_t auto_bytes,
                 const void* ring_kernel) {
   if (requested == 0 || !eligible) return 0;
-  int dev = 0, major = 0, optin = 0;
-  cudaFuncAttributes attr{};
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
-      cudaFuncGetAttributes(&attr, ring_kernel) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
+  const DeviceProps& dev = device_props();
+  const int major = dev.major, optin = dev.smem_optin;
   // the device and the code both sm_90+: a build for an older target (e.g. TORCH_CUDA_ARCH_LIST=8.0+PTX,
   // JIT-compiled here) has no bulk copies in it
-  if (major < 9 || attr.ptxVersion < 90 || optin <= 1024) return 0;
+  if (major < 9 || optin <= 1024 || ptx_version(ring_kernel) < 90) return 0;
   const size_t room = static_cast<size_t>(optin) - 1024;  // static shared memory: reductions, barriers
   int stages = requested > 0 ? requested : static_cast<int>(auto_bytes / slot_bytes);
   stages = stages < 2 ? 2 : (stages > kMaxStages ? kMaxStages : stages);

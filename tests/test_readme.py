@@ -1,4 +1,5 @@
-"""The README's quickstart runs as written: its code blocks, in order, in a fresh folder, on the CPU."""
+"""The README's quickstart runs as written: its code blocks, in order, in a fresh folder, on the CPU; and it
+names only the user settings among the package's environment variables."""
 import os
 import re
 import subprocess
@@ -30,3 +31,11 @@ def test_quickstart_runs_as_written(tmp_path):
         if language == "python" and "print(" in code:
             assert proc.stdout.strip(), f"block {index} printed nothing"
     assert (tmp_path / "plan.json").is_file()
+
+
+def test_names_only_the_user_settings():
+    """The kernels choose their launch settings themselves: the README names no environment variable
+    of the package but the three user settings."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        named = set(re.findall(r"ADAPTIVELOAD_\w+", f.read()))
+    assert named == {"ADAPTIVELOAD_DISABLE", "ADAPTIVELOAD_CACHE", "ADAPTIVELOAD_REQUIRE_KERNEL"}, named

@@ -4,11 +4,15 @@
 * ``rms_norm_modulate/`` -- ``rms_norm(x) * (1 + scale) [+ shift]``;
 
 each with its schema and registrations, its reference math and its FX pattern; ``common.py`` holds
-what they share, ``extension.py`` builds the ``csrc/`` kernels.
+what they share, ``extension.py`` builds the ``csrc/`` kernels, and the private ``_tuning.py`` forces
+the kernels' own launch choices for benchmarks and tests.
 """
+from adaptiveload.ops import _tuning
 from adaptiveload.ops.adaln_modulate import adaln_modulate, adaln_modulate_backward
 from adaptiveload.ops.common import modulation_layout
 from adaptiveload.ops.rms_norm_modulate import rms_norm_modulate, rms_norm_modulate_backward
 
 __all__ = ["adaln_modulate", "adaln_modulate_backward", "rms_norm_modulate", "rms_norm_modulate_backward",
            "modulation_layout"]
+
+_tuning.warn_removed_variables()  # once, at import: the variables that used to set the kernels' choices

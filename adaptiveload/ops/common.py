@@ -1,6 +1,6 @@
 """What every norm→modulate op of the ``adaptiveload`` namespace shares: input checks (modulation
 layouts, devices, dtypes), the per-signature validation cache, the Autograd-key kernel, the
-reference math's helpers, and the CUDA path's settings and kernel selection.
+reference math's helpers, the reader of the user settings, and the CUDA path's kernel selection.
 
 Each op family (``adaln_modulate/``, ``rms_norm_modulate/``) registers its schemas, fake kernels,
 reference and CUDA kernels with the dispatcher directly (``torch.library.Library``) rather than with
@@ -127,25 +127,28 @@ def check_backward_common(op: str, dy: Tensor, x: Tensor, stats: dict) -> None:
                              f"{list(x.shape[:-1])} (one per row of x)")
 
 
-_VALIDATED: set = set()  # signatures (check, others, shapes, dtypes, devices) that passed their check
+_VALIDATED: dict = {}  # signature (check, others, shapes, dtypes, devices) -> what its check returned
 _MAX_VALIDATED = 4096
+_UNSEEN = object()
 
 
-def validate(check: Callable[..., None], tensors: tuple[Optional[Tensor], ...], *others) -> None:
+def validate(check: Callable[..., object], tensors: tuple[Optional[Tensor], ...], *others):
     """``check(*tensors, *others)``, skipped when a call with the same shapes, dtypes, devices and
-    ``others`` passed it before (the checks read nothing else of the tensors). Eager kernels only: a
-    shape of symbolic sizes (fake tensors) is not hashable. Remembers at most ``_MAX_VALIDATED``
-    signatures.
+    ``others`` passed it before (the checks read nothing else of the tensors): returns what the check
+    returned, remembered with the signature. Eager kernels only: a shape of symbolic sizes (fake
+    tensors) is not hashable. Remembers at most ``_MAX_VALIDATED`` signatures.
 
     Raises:
         ValueError: from ``check`` (never remembered, so a bad call raises every time).
     """
     key = (check, others, *[None if t is None else (t.shape, t.dtype, t.device) for t in tensors])
-    if key not in _VALIDATED:
-        check(*tensors, *others)
+    result = _VALIDATED.get(key, _UNSEEN)
+    if result is _UNSEEN:
+        result = check(*tensors, *others)
         if len(_VALIDATED) >= _MAX_VALIDATED:
             _VALIDATED.clear()
-        _VALIDATED.add(key)
+        _VALIDATED[key] = result
+    return result
 
 
 def or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
@@ -270,21 +273,12 @@ def differentiable(lib: torch.library.Library, name: str, n_tensors: int) -> Non
     lib.impl(f"{name}_backward", _autograd_kernel(backward, Backward), "Autograd", with_keyset=True)
 
 
-# --- CUDA path ----------------------------------------------------------------------------------
-# The csrc/ kernels (built on first use by ``extension``), else the reference. The extension's entry
-# points take the op's own arguments and do the per-call layout work in C++ (x as a contiguous
-# [B, N, D]; each modulation as a [B or 1, N or 1, D] view with unit stride along D, its batch and
-# token strides passed, so a .chunk() view is not copied; dy made contiguous like x, whatever layout
-# autograd hands it; dtype casts; output views), which costs far less host time per launch than the
-# same tensor calls from Python. Every output is a fresh contiguous tensor, on the kernel path and
-# the reference path alike: the layout the fake kernels promise, which compiled graphs assert.
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_FEATURES = 16384  # widest row the kernels take (csrc/norm_modulate.cuh: kMaxFeatures)
+# --- user settings ------------------------------------------------------------------------------
 
 
 def setting(name: str, default: str, choices: Optional[tuple[str, ...]] = None) -> str:
-    """Environment variable ``name``, stripped and lower-cased (``default`` when unset).
+    """Environment variable ``name``, stripped and lower-cased (``default`` when unset): for the user
+    settings (``ADAPTIVELOAD_DISABLE``), read where they apply, never on a kernel's call path.
 
     Raises:
         ValueError: ``choices`` given and the value is not one of them (the message names the variable).
@@ -296,114 +290,27 @@ def setting(name: str, default: str, choices: Optional[tuple[str, ...]] = None) 
     return value
 
 
-def max_threads() -> int:
-    """``ADAPTIVELOAD_MAX_THREADS``: threads-per-block cap of the kernels' row blocks, a tuning knob
-    for benchmarks ("auto", the default: the launcher's choice, 0; 32-512: that cap, fewer threads
-    meaning more 16-byte chunks a thread).
+# --- CUDA path ----------------------------------------------------------------------------------
+# The csrc/ kernels (built on first use by ``extension``), else the reference. The extension's entry
+# points take the op's own arguments and do the per-call layout work in C++ (x as a contiguous
+# [B, N, D]; each modulation as a [B or 1, N or 1, D] view with unit stride along D, its batch and
+# token strides passed, so a .chunk() view is not copied; dy made contiguous like x, whatever layout
+# autograd hands it; dtype casts; output views), which costs far less host time per launch than the
+# same tensor calls from Python. The kernels choose their block shape, ring slots, row order, how y
+# is stored and the backward's design themselves (``_tuning`` forces them for benchmarks and tests):
+# nothing is read from the environment per call. Every output is a fresh contiguous tensor, on the
+# kernel path and the reference path alike: the layout the fake kernels promise, which compiled
+# graphs assert.
 
-    Raises:
-        ValueError: a value other than "auto" or an integer 32..512.
-    """
-    value = setting("ADAPTIVELOAD_MAX_THREADS", "auto")
-    if value == "auto":
-        return 0
-    if value.isdecimal() and 32 <= int(value) <= 512:
-        return int(value)
-    raise ValueError(f"ADAPTIVELOAD_MAX_THREADS={value!r}: expected 'auto' or 32..512")
-
-
-def ring_stages(name: str) -> int:
-    """``ADAPTIVELOAD_FWD_STAGES`` / ``ADAPTIVELOAD_BWD_STAGES``: rows of the forward's / backward
-    row kernel's shared-memory ring on sm_90 ("auto", the default: the launcher's choice, about
-    32 KB (forward) / 64 KB (backward) of rows, 2 rows in the backward with per-token scale; 2-8:
-    that many rows; "0": the register prefetch of one row). The kernels use the register prefetch
-    where the ring cannot run (unaligned rows, a forward row wider than 4 chunks a thread (2
-    per-token), a backward row wider than 16 elements a thread, GPUs before sm_90).
-
-    Raises:
-        ValueError: a value other than "auto" or an integer 0, 2..8.
-    """
-    value = setting(name, "auto")
-    if value == "auto":
-        return -1
-    if value.isdecimal() and (int(value) == 0 or 2 <= int(value) <= 8):
-        return int(value)
-    raise ValueError(f"{name}={value!r}: expected 'auto', 0 or 2..8")
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_FEATURES = 16384  # widest row the kernels take (csrc/norm_modulate.cuh: kMaxFeatures)
 
 
-def fwd_interleave() -> bool:
-    """``ADAPTIVELOAD_FWD_ROW_ORDER``: which rows a forward block takes ("interleave", the default:
-    rows t, t + tiles, t + 2 tiles, ... of its sample, so the blocks of the wave read neighbouring
-    rows at any time; "tile": a tile of consecutive rows). A tuning knob for benchmarks; the result
-    is bit for bit the same.
-
-    Raises:
-        ValueError: a value other than "tile" or "interleave".
-    """
-    return setting("ADAPTIVELOAD_FWD_ROW_ORDER", "interleave", ("tile", "interleave")) == "interleave"
-
-
-_FWD_STORES = {"auto": -1, "threads": 0, "bulk": 1}
-
-
-def fwd_store() -> int:
-    """``ADAPTIVELOAD_FWD_STORE``: how the ring forward writes y ("auto", the default, -1: the
-    launcher's choice, "bulk" for rows of up to 6 KB; "threads", 0: each thread its own 16-byte
-    groups; "bulk", 1: into the row's ring slot, then one bulk store by the copy engine, where the
-    modulation is per-sample or shared, y has x's element size and the ring has 3 or more slots,
-    else as "threads"). A tuning knob for benchmarks; y is bit for bit the same.
-
-    Raises:
-        ValueError: a value other than "auto", "threads" or "bulk".
-    """
-    return _FWD_STORES[setting("ADAPTIVELOAD_FWD_STORE", "auto", tuple(_FWD_STORES))]
-
-
-def fwd_tail() -> tuple:
-    """``ADAPTIVELOAD_FWD_TAIL``: "auto" (the launcher's share), "0" (none) or "P" / "P/R": P percent
-    (0..50) of each sample's rows left to short blocks of R (1..65536, default 8) consecutive rows,
-    launched after the interleaved wave. A tuning knob for benchmarks; y is bit for bit the same.
-
-    Raises:
-        ValueError: anything else.
-    """
-    value = setting("ADAPTIVELOAD_FWD_TAIL", "auto")
-    if value == "auto":
-        return -1, 8
-    pct, slash, rows = value.partition("/")
-    rows = rows if slash else "8"
-    if pct.isdecimal() and int(pct) <= 50 and rows.isdecimal() and 1 <= int(rows) <= 65536:
-        return int(pct), int(rows)
-    raise ValueError(f"ADAPTIVELOAD_FWD_TAIL={value!r}: expected 'auto', 'P' or 'P/R' (P 0..50, R 1..65536)")
-
-
-def two_kernel_backward() -> bool:
-    """``ADAPTIVELOAD_BWD``: the backward's design ("one_pass", the default: one pass over (dy, x)
-    with the column partials kept per tile; "two_kernel": the reference design, a dx kernel and a
-    column kernel re-reading x and dy). A knob for benchmarks; the gradients agree to fp32 rounding.
-
-    Raises:
-        ValueError: a value other than "one_pass" or "two_kernel".
-    """
-    return setting("ADAPTIVELOAD_BWD", "one_pass", ("one_pass", "two_kernel")) == "two_kernel"
-
-
-def forward_settings() -> tuple:
-    """The forward kernels' tuning settings, read on every CUDA call (so that a bad value raises
-    also where the reference runs): max_threads, stages, interleave, store, tail_pct, tail_rows."""
-    return (max_threads(), ring_stages("ADAPTIVELOAD_FWD_STAGES"), fwd_interleave(), fwd_store(), *fwd_tail())
-
-
-def backward_settings() -> tuple:
-    """The backward kernels' tuning settings (as :func:`forward_settings`): two_kernel, max_threads,
-    stages."""
-    return two_kernel_backward(), max_threads(), ring_stages("ADAPTIVELOAD_BWD_STAGES")
-
-
-def kernel_module(x: Tensor, params: tuple, mods: tuple, others: tuple = ()):
-    """The kernel module when the kernels apply to these inputs, else None (reference path): float64
-    anywhere (the reference computes in float64), empty x, rows wider than the kernels take, and
-    modulation in neither x's dtype nor float32 (e.g. bf16 modulation of float32 x under autocast).
+def kernels_apply(x: Tensor, params: tuple, mods: tuple, others: tuple = ()) -> bool:
+    """Whether the kernels take these inputs (else the reference runs): not for float64 anywhere (the
+    reference computes in float64), empty x, rows wider than the kernels take, or modulation in
+    neither x's dtype nor float32 (e.g. bf16 modulation of float32 x under autocast). Reads shapes
+    and dtypes only, so :func:`validate` may remember the answer with the signature.
 
     Args:
         x: the op's input; params: the norm's affine parameters (None for absent ones); mods: scale,
@@ -411,9 +318,20 @@ def kernel_module(x: Tensor, params: tuple, mods: tuple, others: tuple = ()):
             saved statistics, dy).
     """
     if x.numel() == 0 or x.shape[-1] > MAX_FEATURES:
-        return None
+        return False
     if any(t is not None and t.dtype not in KERNEL_DTYPES for t in (x, *params, *others)):
-        return None
-    if any(m is not None and m.dtype not in (x.dtype, torch.float32) for m in mods):
-        return None  # (with x of a kernel dtype this also keeps float64 modulation out)
-    return extension.kernels()
+        return False
+    # (with x of a kernel dtype this also keeps float64 modulation out)
+    return all(m is None or m.dtype in (x.dtype, torch.float32) for m in mods)
+
+
+def cuda_kernels(check: Callable[..., bool], tensors: tuple[Optional[Tensor], ...], *others):
+    """The kernel module for a CUDA call, or None (reference path): ``check`` validates the call's
+    inputs and says whether the kernels take them (:func:`kernels_apply`); both answers are
+    remembered per signature (:func:`validate`), so a repeated call costs one dictionary lookup.
+
+    Raises:
+        ValueError: from ``check``.
+        RuntimeError: the kernels cannot be built and ``ADAPTIVELOAD_REQUIRE_KERNEL=1`` is set.
+    """
+    return extension.kernels() if validate(check, tensors, *others) else None

@@ -15,7 +15,8 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import adaptiveload  # noqa: F401  (registers torch.ops.adaptiveload.*)
-from adaptiveload.ops import extension
+from adaptiveload.ops import _tuning, extension
+from adaptiveload.ops.adaln_modulate import op as adaln_op
 from adaptiveload.ops.testing import (GRAD_LAYOUTS, LAYOUTS, OPCHECK_UTILS, TOL, assert_rel, check_backward_strides,
                                        check_op_against_float64, lay_out_grad, make_mod, property_strategies, rel_err)
 
@@ -237,13 +238,14 @@ def test_outputs_never_alias_inputs(layout):
         (dict(x=torch.randn(8)), ("x", "[8]")),
     ],
 )
-def test_bad_inputs_raise_value_error_naming_the_tensor(kwargs, names):
+@pytest.mark.parametrize("impl", ["op", "cuda-impl"])
+def test_bad_inputs_raise_value_error_naming_the_tensor(kwargs, names, impl):
+    """Through the op (the reference on CPU) and through the CUDA implementation's own checks."""
+    forward = {"op": torch.ops.adaptiveload.adaln_modulate, "cuda-impl": adaln_op._adaln_modulate_cuda}[impl]
     args = dict(x=torch.randn(2, 5, 8), weight=None, bias=None, scale=torch.randn(2, 1, 8), shift=None)
     args.update(kwargs)
     with pytest.raises(ValueError) as info:
-        torch.ops.adaptiveload.adaln_modulate(
-            args["x"], args["weight"], args["bias"], args["scale"], args["shift"], EPS, torch.float32
-        )
+        forward(args["x"], args["weight"], args["bias"], args["scale"], args["shift"], EPS, torch.float32)
     for name in names:
         assert name in str(info.value)
 
@@ -258,16 +260,18 @@ def test_bad_inputs_raise_value_error_naming_the_tensor(kwargs, names):
         (dict(rstd=torch.randn(2, 2, 3, 1)), ("rstd", "[2, 2, 3, 1]")),
     ],
 )
-def test_backward_bad_inputs_raise_value_error_naming_the_tensor(kwargs, names):
-    """The backward op checks its inputs too (it is public): a modulation that does not broadcast
-    over x, dy of another shape, statistics not one per row."""
+@pytest.mark.parametrize("impl", ["op", "cuda-impl"])
+def test_backward_bad_inputs_raise_value_error_naming_the_tensor(kwargs, names, impl):
+    """The backward op checks its inputs too (it is public), in the reference and the CUDA
+    implementation alike: a modulation that does not broadcast over x, dy of another shape,
+    statistics not one per row."""
+    backward = {"op": torch.ops.adaptiveload.adaln_modulate_backward,
+                "cuda-impl": adaln_op._adaln_modulate_backward_cuda}[impl]
     args = dict(dy=torch.randn(2, 2, 3, 8), x=torch.randn(2, 2, 3, 8), scale=torch.randn(2, 1, 1, 8),
                 mean=torch.randn(2, 2, 3), rstd=torch.rand(2, 2, 3) + 1)
     args.update(kwargs)
     with pytest.raises(ValueError) as info:
-        torch.ops.adaptiveload.adaln_modulate_backward(
-            args["dy"], args["x"], None, None, args["scale"], None, args["mean"], args["rstd"]
-        )
+        backward(args["dy"], args["x"], None, None, args["scale"], None, args["mean"], args["rstd"])
     for name in names:
         assert name in str(info.value)
 
@@ -314,13 +318,21 @@ def test_missing_scale_and_bad_eps_raise():
 
 def test_kernels_take_modulation_in_x_dtype_or_float32_only():
     """The CUDA path's routing: modulation in another dtype than x's or float32 (bf16 scale of float32
-    x, as autocast gives) goes to the reference, as float64 does; decided before any build."""
-    from adaptiveload.ops.common import kernel_module
+    x, as autocast gives) goes to the reference, as float64 does, and so do empty x and rows wider
+    than 16384; decided from shapes and dtypes alone, before any build."""
+    from adaptiveload.ops.common import kernels_apply
 
     x32, s16 = torch.randn(2, 5, 8), torch.randn(2, 1, 8, dtype=torch.bfloat16)
-    assert kernel_module(x32, (None, None), (s16, None)) is None
-    assert kernel_module(x32, (None, None), (s16.float(), s16)) is None
-    assert kernel_module(x32.double(), (None, None), (s16.float(), None)) is None
+    assert kernels_apply(x32, (None, None), (s16.float(), None))
+    assert kernels_apply(x32.bfloat16(), (None, None), (s16, s16.float()))
+    assert not kernels_apply(x32, (None, None), (s16, None))
+    assert not kernels_apply(x32, (None, None), (s16.float(), s16))
+    assert not kernels_apply(x32.double(), (None, None), (s16.float(), None))
+    assert not kernels_apply(x32, (torch.randn(8, dtype=torch.float64), None), (s16.float(), None))
+    assert not kernels_apply(x32, (None, None), (s16.float(), None), (torch.randn(2, 5, dtype=torch.float64),))
+    assert not kernels_apply(torch.randn(2, 0, 8), (None, None), (s16.float(), None))
+    assert kernels_apply(torch.randn(1, 2, 16384), (None, None), (torch.randn(16384),))
+    assert not kernels_apply(torch.randn(1, 2, 16385), (None, None), (torch.randn(16385),))
 
 
 def test_double_backward_raises():
@@ -331,99 +343,6 @@ def test_double_backward_raises():
     (dx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="no double backward"):
         dx.sum().backward()
-
-
-@pytest.mark.parametrize("name", ["ADAPTIVELOAD_FWD_STAGES", "ADAPTIVELOAD_BWD_STAGES"])
-def test_ring_stage_setting(monkeypatch, name):
-    """Unset: "auto" (-1, the launcher's choice); 0 and 2..8 pass through; anything else names the variable."""
-    from adaptiveload.ops.common import ring_stages as _ring_stages
-
-    monkeypatch.delenv(name, raising=False)
-    assert _ring_stages(name) == -1
-    for value, expected in [("auto", -1), (" AUTO ", -1), ("0", 0), ("2", 2), ("8", 8)]:
-        monkeypatch.setenv(name, value)
-        assert _ring_stages(name) == expected, value
-    for bad in ("1", "9", "-1", "fast", ""):
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(ValueError, match=name):
-            _ring_stages(name)
-
-
-def test_fwd_row_order_setting(monkeypatch):
-    """Unset or "interleave": interleaved rows; "tile": consecutive rows; anything else names the variable."""
-    from adaptiveload.ops.common import fwd_interleave as _fwd_interleave
-
-    monkeypatch.delenv("ADAPTIVELOAD_FWD_ROW_ORDER", raising=False)
-    assert _fwd_interleave() is True
-    for value, expected in [("tile", False), (" Tile", False), ("interleave", True), ("INTERLEAVE ", True)]:
-        monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", value)
-        assert _fwd_interleave() is expected, value
-    for bad in ("auto", "strided", "1", ""):
-        monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", bad)
-        with pytest.raises(ValueError, match="ADAPTIVELOAD_FWD_ROW_ORDER"):
-            _fwd_interleave()
-
-
-def test_fwd_store_setting(monkeypatch):
-    """Unset or "auto": -1 (the launcher's choice); "threads": 0; "bulk": 1; anything else names the variable."""
-    from adaptiveload.ops.common import fwd_store as _fwd_store
-
-    monkeypatch.delenv("ADAPTIVELOAD_FWD_STORE", raising=False)
-    assert _fwd_store() == -1
-    for value, expected in [("auto", -1), ("threads", 0), (" Bulk", 1), ("bulk", 1)]:
-        monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", value)
-        assert _fwd_store() == expected, value
-    for bad in ("tma", "1", ""):
-        monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", bad)
-        with pytest.raises(ValueError, match="ADAPTIVELOAD_FWD_STORE"):
-            _fwd_store()
-
-
-def test_fwd_tail_setting(monkeypatch):
-    """Unset or "auto": (-1, 8), the launcher's share; "P" and "P/R": P percent in blocks of R rows
-    (8 if not given); anything else names the variable."""
-    from adaptiveload.ops.common import fwd_tail as _fwd_tail
-
-    monkeypatch.delenv("ADAPTIVELOAD_FWD_TAIL", raising=False)
-    assert _fwd_tail() == (-1, 8)
-    for value, expected in [("auto", (-1, 8)), ("0", (0, 8)), (" 10 ", (10, 8)), ("5/16", (5, 16)), ("50/1", (50, 1))]:
-        monkeypatch.setenv("ADAPTIVELOAD_FWD_TAIL", value)
-        assert _fwd_tail() == expected, value
-    for bad in ("51", "10/0", "10/65537", "10/3000000000", "-5", "10/", "/8", "ten", ""):
-        monkeypatch.setenv("ADAPTIVELOAD_FWD_TAIL", bad)
-        with pytest.raises(ValueError, match="ADAPTIVELOAD_FWD_TAIL"):
-            _fwd_tail()
-
-
-def test_bwd_design_setting(monkeypatch):
-    """Unset or "one_pass": the one-pass backward; "two_kernel": the reference design; anything else
-    (a near miss included) names the variable."""
-    from adaptiveload.ops.common import two_kernel_backward as _two_kernel_backward
-
-    monkeypatch.delenv("ADAPTIVELOAD_BWD", raising=False)
-    assert _two_kernel_backward() is False
-    for value, expected in [("one_pass", False), ("two_kernel", True), (" TWO_KERNEL ", True)]:
-        monkeypatch.setenv("ADAPTIVELOAD_BWD", value)
-        assert _two_kernel_backward() is expected, value
-    for bad in ("two-kernel", "bogus", ""):
-        monkeypatch.setenv("ADAPTIVELOAD_BWD", bad)
-        with pytest.raises(ValueError, match="ADAPTIVELOAD_BWD"):
-            _two_kernel_backward()
-
-
-def test_max_threads_setting(monkeypatch):
-    """Unset or "auto": 0 (the launcher's block shape); 32..512 pass through; anything else names the variable."""
-    from adaptiveload.ops.common import max_threads as _max_threads
-
-    monkeypatch.delenv("ADAPTIVELOAD_MAX_THREADS", raising=False)
-    assert _max_threads() == 0
-    for value, expected in [("auto", 0), (" Auto", 0), ("32", 32), ("128", 128), ("512", 512)]:
-        monkeypatch.setenv("ADAPTIVELOAD_MAX_THREADS", value)
-        assert _max_threads() == expected, value
-    for bad in ("0", "31", "513", "-1", "many", ""):
-        monkeypatch.setenv("ADAPTIVELOAD_MAX_THREADS", bad)
-        with pytest.raises(ValueError, match="ADAPTIVELOAD_MAX_THREADS"):
-            _max_threads()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,11 +424,10 @@ def test_cuda_reference_path_beyond_the_kernels(D, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("B, N, D", [(1, 65536, 1536), (2, 65536, 3072), (8, 4096, 5120), (1, 65536, 1)])
 @pytest.mark.parametrize("two_kernel", [False, True])
-def test_kernels_long_sequences(kernels, monkeypatch, B, N, D, two_kernel):
-    if two_kernel:
-        monkeypatch.setenv("ADAPTIVELOAD_BWD", "two_kernel")
-    check_against_float64((B, N, D), torch.bfloat16, "strided-per-sample", "per-sample", True, "cuda", 7,
-                          mod_fp32=True)
+def test_kernels_long_sequences(kernels, B, N, D, two_kernel):
+    with _tuning.override(two_kernel=two_kernel):  # False: the kernels' choice (one pass at these widths)
+        check_against_float64((B, N, D), torch.bfloat16, "strided-per-sample", "per-sample", True, "cuda", 7,
+                              mod_fp32=True)
 
 
 @pytest.mark.cuda
@@ -546,19 +464,16 @@ needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 
 @pytest.mark.cuda
 @needs_sm90
-@pytest.mark.parametrize("stages", ["auto", "2", "3", "8"])
-def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatch, stages):
+@pytest.mark.parametrize("stages", ["auto", 2, 3, 8])
+def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, stages):
     """The shared-memory row ring (sm_90 bulk copies) runs the same arithmetic as the register
-    forward: identical y, mean and rstd, for rows that fill the ring or not (N < stages), tiles of
-    uneven length, every x dtype, fp32 or x-dtype modulation, affine or not, strided chunks, and
+    forward: identical y, mean and rstd, for rows that fill the ring or not (N < stages), blocks of
+    uneven row counts, every x dtype, fp32 or x-dtype modulation, affine or not, strided chunks, and
     per-token scale and/or shift rows (copied into the slot beside their x row); unaligned rows and
     per-token rows beyond 2 chunks a thread fall back to the register forward. Same block shape for
-    both (ADAPTIVELOAD_MAX_THREADS=512: the ring's automatic shape has fewer threads a row, so other
-    reduction trees); the automatic shape is checked against float64 at the end."""
+    both (max_threads=512: the ring's automatic shape has fewer threads a row, so other reduction
+    trees); the automatic shape is checked against float64 at the end."""
     gen = torch.Generator(device="cuda").manual_seed(21)
-    monkeypatch.setenv("ADAPTIVELOAD_MAX_THREADS", "512")
-    monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", "tile")
-    monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", "threads")
     cases = [  # (B, N, D, x dtype, modulation layout); per-token D <= 8192 (16-bit x) takes the ring
         (1, 1, 1536, torch.bfloat16, "per-sample"), (3, 7, 3072, torch.bfloat16, "per-sample"),
         (2, 4099, 5120, torch.bfloat16, "per-sample"), (1, 65536, 1536, torch.bfloat16, "per-sample"),
@@ -567,65 +482,55 @@ def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatc
         (2, 517, 3072, torch.bfloat16, "per-token-both"), (1, 3, 5120, torch.bfloat16, "per-token-shift"),
         (3, 1025, 1536, torch.float16, "per-token-both"), (1, 64, 16384, torch.bfloat16, "per-token-both"),
         (2, 50, 1001, torch.bfloat16, "per-token-both")]
-    for i, (B, N, D, dtype, layout) in enumerate(cases):
-        mod_dtype = torch.float32 if i % 2 else dtype
-        x = torch.randn(B, N, D, device="cuda", generator=gen).to(dtype)
-        affine = i % 3 != 1
-        w = torch.randn(D, device="cuda", generator=gen).to(dtype) if affine else None
-        b = torch.randn(D, device="cuda", generator=gen).to(dtype) if affine else None
-        per_sample = [t.unsqueeze(1) for t in
-                      (0.2 * torch.randn(B, 3 * D, device="cuda", generator=gen)).to(mod_dtype).chunk(3, -1)[:2]]
-        per_token = (0.2 * torch.randn(B, N, 3 * D, device="cuda", generator=gen)).to(mod_dtype).chunk(3, -1)[:2]
-        mods = {"per-sample": per_sample,
-                "per-token-scale": (per_token[0].contiguous(), per_sample[1]),
-                "per-token-shift": (per_sample[0], per_token[1]),
-                "per-token-both": per_token}[layout]  # per-token-both: strided chunks of [B, N, 3D]
-        outputs, launched = {}, {}
-        for setting in ("0", stages):
-            monkeypatch.setenv("ADAPTIVELOAD_FWD_STAGES", setting)
-            outputs[setting] = torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype)
-            launched[setting] = _adaln_kernels_launched(
-                lambda: torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype))
-        where = f"B={B} N={N} D={D} {dtype} {layout} modulation {mod_dtype} stages={stages}"
-        vec = 4 if dtype == torch.float32 else 8
-        chunks_ok = layout == "per-sample" or D <= 1024 * vec  # per-token: up to 2 chunks of 512 threads
-        takes_ring = D % vec == 0 and chunks_ok
-        # the ring is another kernel instantiation
-        assert (launched["0"] != launched[stages]) == takes_ring, (where, launched)
-        for name, ref, got in zip(("y", "mean", "rstd"), outputs["0"], outputs[stages]):
-            assert torch.equal(ref, got), f"{name} differs at {where}"
-        # interleaved rows (t, t + tiles, ...; the default), through the ring and the register forward:
-        # the same rows as tiles of consecutive rows
-        monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", "interleave")
-        for setting in ("0", stages):
-            monkeypatch.setenv("ADAPTIVELOAD_FWD_STAGES", setting)
-            got = torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype)
-            for name, ref, g in zip(("y", "mean", "rstd"), outputs["0"], got):
-                assert torch.equal(ref, g), f"{name} differs at {where} interleaved, stages {setting}"
-        monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", "tile")
-        # y written through the ring slot by bulk stores (per-sample: y of x's size; fp32 modulation and
-        # 2 slots included, where the threads store instead), asked for and by the launcher's choice
-        # (bulk up to 6 KB rows, 4 slots when the stages are automatic), interleaved and tiles
-        monkeypatch.setenv("ADAPTIVELOAD_FWD_STAGES", stages)
-        for store in ("bulk", "auto"):
-            monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", store)
-            for order in ("tile", "interleave"):
-                monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", order)
-                got = torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype)
-                for name, ref, g in zip(("y", "mean", "rstd"), outputs["0"], got):
-                    assert torch.equal(ref, g), f"{name} differs at {where}, store {store}, {order}"
-        # interleaved rows with no short blocks after the wave, and with a third of the rows in
-        # blocks of 3 (the launcher skips them where the wave would get fewer than 2 rows a block)
-        for tail in ("0", "33/3"):
-            monkeypatch.setenv("ADAPTIVELOAD_FWD_TAIL", tail)
-            got = torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype)
-            for name, ref, g in zip(("y", "mean", "rstd"), outputs["0"], got):
-                assert torch.equal(ref, g), f"{name} differs at {where}, interleaved, tail {tail}"
-        monkeypatch.delenv("ADAPTIVELOAD_FWD_TAIL")
-        monkeypatch.setenv("ADAPTIVELOAD_FWD_STORE", "threads")
-        monkeypatch.setenv("ADAPTIVELOAD_FWD_ROW_ORDER", "tile")
-    # and the ring itself, in its automatic block shape, against float64 (the environment still selects it)
-    monkeypatch.delenv("ADAPTIVELOAD_MAX_THREADS")
+    with _tuning.override(max_threads=512, store="threads"):
+        for i, (B, N, D, dtype, layout) in enumerate(cases):
+            mod_dtype = torch.float32 if i % 2 else dtype
+            x = torch.randn(B, N, D, device="cuda", generator=gen).to(dtype)
+            affine = i % 3 != 1
+            w = torch.randn(D, device="cuda", generator=gen).to(dtype) if affine else None
+            b = torch.randn(D, device="cuda", generator=gen).to(dtype) if affine else None
+            per_sample = [t.unsqueeze(1) for t in
+                          (0.2 * torch.randn(B, 3 * D, device="cuda", generator=gen)).to(mod_dtype).chunk(3, -1)[:2]]
+            per_token = (0.2 * torch.randn(B, N, 3 * D, device="cuda", generator=gen)).to(mod_dtype).chunk(3, -1)[:2]
+            mods = {"per-sample": per_sample,
+                    "per-token-scale": (per_token[0].contiguous(), per_sample[1]),
+                    "per-token-shift": (per_sample[0], per_token[1]),
+                    "per-token-both": per_token}[layout]  # per-token-both: strided chunks of [B, N, 3D]
+
+            def forward():
+                return torch.ops.adaptiveload.adaln_modulate(x, w, b, *mods, EPS, dtype)
+
+            outputs, launched = {}, {}
+            for setting in (0, stages):
+                with _tuning.override(fwd_stages=setting):
+                    outputs[setting] = forward()
+                    launched[setting] = _adaln_kernels_launched(forward)
+            where = f"B={B} N={N} D={D} {dtype} {layout} modulation {mod_dtype} stages={stages}"
+            vec = 4 if dtype == torch.float32 else 8
+            chunks_ok = layout == "per-sample" or D <= 1024 * vec  # per-token: up to 2 chunks of 512 threads
+            takes_ring = D % vec == 0 and chunks_ok
+            # the ring is another kernel instantiation
+            assert (launched[0] != launched[stages]) == takes_ring, (where, launched)
+            for name, ref, got in zip(("y", "mean", "rstd"), outputs[0], outputs[stages]):
+                assert torch.equal(ref, got), f"{name} differs at {where}"
+            # y written through the ring slot by bulk stores (per-sample: y of x's size; fp32 modulation and
+            # 2 slots included, where the threads store instead), asked for and by the launcher's choice
+            # (bulk up to 6 KB rows, 4 slots when the stages are automatic)
+            for store in ("bulk", "auto"):
+                with _tuning.override(fwd_stages=stages, store=store):
+                    got = forward()
+                for name, ref, g in zip(("y", "mean", "rstd"), outputs[0], got):
+                    assert torch.equal(ref, g), f"{name} differs at {where}, store {store}"
+            # no short blocks after the wave, and a third of the rows in blocks of 3 (the launcher
+            # skips them where the wave would get fewer than 2 rows a block), through the ring and not
+            for setting in (0, stages):
+                for tail in (0, (33, 3)):
+                    with _tuning.override(fwd_stages=setting, tail=tail):
+                        got = forward()
+                    for name, ref, g in zip(("y", "mean", "rstd"), outputs[0], got):
+                        assert torch.equal(ref, g), f"{name} differs at {where}, stages {setting}, tail {tail}"
+    # and the ring itself, in its automatic block shape, against float64 (no override: the kernels' choices)
+    assert _tuning.current() == _tuning.AUTO
     check_against_float64((1, 3000, 1536), torch.bfloat16, "per-sample", "per-sample", True, "cuda", 8)
     check_against_float64((2, 4099, 5120), torch.bfloat16, "strided-per-sample", "per-sample", True, "cuda", 5,
                           mod_fp32=True)
@@ -634,54 +539,55 @@ def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, monkeypatc
 
 @pytest.mark.cuda
 @needs_sm90
-@pytest.mark.parametrize("stages", ["auto", "2", "5"])
-def test_backward_ring_matches_the_register_backward(kernels, monkeypatch, stages):
+@pytest.mark.parametrize("stages", ["auto", 2, 5])
+def test_backward_ring_matches_the_register_backward(kernels, stages):
     """The backward's shared-memory ring: dx bit for bit (per-row arithmetic is the same); the summed
     gradients to fp32 rounding (the ring changes occupancy, hence the row tiles the partial sums run
     over); two ring runs bit-identical; per-token scale rows ride the slot beside x and dy (contiguous
-    and strided chunks, with a per-token shift too). Same block shape for both
-    (ADAPTIVELOAD_MAX_THREADS=512); the ring's automatic shape against float64 at the end."""
+    and strided chunks, with a per-token shift too). Same block shape for both (max_threads=512); the
+    ring's automatic shape against float64 at the end."""
     gen = torch.Generator(device="cuda").manual_seed(22)
-    monkeypatch.setenv("ADAPTIVELOAD_MAX_THREADS", "512")
     cases = [(1, 1, 1536, torch.bfloat16, torch.bfloat16), (3, 7, 3072, torch.bfloat16, torch.float32),
              (2, 4099, 5120, torch.bfloat16, torch.bfloat16), (1, 65536, 1536, torch.bfloat16, torch.bfloat16),
              (2, 333, 8, torch.float16, torch.float32), (1, 1000, 16384, torch.bfloat16, torch.bfloat16),
              (2, 129, 1000, torch.float32, torch.float32), (1, 300, 8192, torch.float32, torch.float32),
              (2, 517, 3072, torch.bfloat16, torch.bfloat16), (1, 300, 5120, torch.bfloat16, torch.float32)]
     per_token = {4: "contiguous scale", 8: "strided scale", 9: "strided scale and shift"}
-    for i, (B, N, D, dtype, dy_dtype) in enumerate(cases):
-        mod_dtype = torch.float32 if i % 2 else dtype
-        x = torch.randn(B, N, D, device="cuda", generator=gen).to(dtype)
-        dy = torch.randn(B, N, D, device="cuda", generator=gen).to(dy_dtype)
-        scale, shift, _ = (0.2 * torch.randn(B, 3 * D, device="cuda", generator=gen)).to(mod_dtype).chunk(3, -1)
-        scale, shift = scale.unsqueeze(1), shift.unsqueeze(1)
-        if i == 4:
-            scale = scale.expand(B, N, D).contiguous()
-        elif i in per_token:  # .chunk() views of one [B, N, 2D] embedding
-            rows = (0.2 * torch.randn(B, N, 2 * D, device="cuda", generator=gen)).to(mod_dtype).chunk(2, -1)
-            scale, shift = (rows[0], rows[1]) if i == 9 else (rows[0], shift)
-        w = torch.randn(D, device="cuda", generator=gen).to(dtype)
-        b = torch.randn(D, device="cuda", generator=gen).to(dtype)
-        y, mean, rstd = torch.ops.adaptiveload.adaln_modulate(x, w, b, scale, shift, EPS, dtype)
-        grads, launched = {}, {}
-        for setting in ("0", stages, stages):
-            monkeypatch.setenv("ADAPTIVELOAD_BWD_STAGES", setting)
-            grads.setdefault(setting, []).append(
-                torch.ops.adaptiveload.adaln_modulate_backward(dy, x, w, b, scale, shift, mean, rstd))
-            launched[setting] = _adaln_kernels_launched(
-                lambda: torch.ops.adaptiveload.adaln_modulate_backward(dy, x, w, b, scale, shift, mean, rstd))
-        ref, (ring, again) = grads["0"][0], grads[stages]
-        where = f"B={B} N={N} D={D} {dtype} dy {dy_dtype} {per_token.get(i, 'per-sample')} stages={stages}"
-        # the ring takes rows up to 16 elements a thread (2 chunks of 16-bit x, 4 of fp32): D <= 8192 here
-        # (all cases fit two slots in shared memory; fp32 per-token rows near D = 8192 would not)
-        takes_ring = D <= 8192
-        assert (launched["0"] != launched[stages]) == takes_ring, (where, launched)
-        assert torch.equal(ref[0], ring[0]), f"dx differs at {where}"
-        for name, r, g, g2 in zip(("dweight", "dbias", "dscale", "dshift"), ref[1:], ring[1:], again[1:]):
-            assert torch.equal(g, g2), f"{name}: two ring runs differ at {where}"
-            torch.testing.assert_close(g.float(), r.float(), rtol=1e-4, atol=1e-4 * float(r.float().abs().max()) + 1e-6,
-                                       msg=f"{name} at {where}")
-    monkeypatch.delenv("ADAPTIVELOAD_MAX_THREADS")
+    with _tuning.override(max_threads=512):
+        for i, (B, N, D, dtype, dy_dtype) in enumerate(cases):
+            mod_dtype = torch.float32 if i % 2 else dtype
+            x = torch.randn(B, N, D, device="cuda", generator=gen).to(dtype)
+            dy = torch.randn(B, N, D, device="cuda", generator=gen).to(dy_dtype)
+            scale, shift, _ = (0.2 * torch.randn(B, 3 * D, device="cuda", generator=gen)).to(mod_dtype).chunk(3, -1)
+            scale, shift = scale.unsqueeze(1), shift.unsqueeze(1)
+            if i == 4:
+                scale = scale.expand(B, N, D).contiguous()
+            elif i in per_token:  # .chunk() views of one [B, N, 2D] embedding
+                rows = (0.2 * torch.randn(B, N, 2 * D, device="cuda", generator=gen)).to(mod_dtype).chunk(2, -1)
+                scale, shift = (rows[0], rows[1]) if i == 9 else (rows[0], shift)
+            w = torch.randn(D, device="cuda", generator=gen).to(dtype)
+            b = torch.randn(D, device="cuda", generator=gen).to(dtype)
+            y, mean, rstd = torch.ops.adaptiveload.adaln_modulate(x, w, b, scale, shift, EPS, dtype)
+
+            def backward():
+                return torch.ops.adaptiveload.adaln_modulate_backward(dy, x, w, b, scale, shift, mean, rstd)
+
+            grads, launched = {}, {}
+            for setting in (0, stages, stages):
+                with _tuning.override(bwd_stages=setting):
+                    grads.setdefault(setting, []).append(backward())
+                    launched[setting] = _adaln_kernels_launched(backward)
+            ref, (ring, again) = grads[0][0], grads[stages]
+            where = f"B={B} N={N} D={D} {dtype} dy {dy_dtype} {per_token.get(i, 'per-sample')} stages={stages}"
+            # the ring takes rows up to 16 elements a thread (2 chunks of 16-bit x, 4 of fp32): D <= 8192 here
+            # (all cases fit two slots in shared memory; fp32 per-token rows near D = 8192 would not)
+            takes_ring = D <= 8192
+            assert (launched[0] != launched[stages]) == takes_ring, (where, launched)
+            assert torch.equal(ref[0], ring[0]), f"dx differs at {where}"
+            for name, r, g, g2 in zip(("dweight", "dbias", "dscale", "dshift"), ref[1:], ring[1:], again[1:]):
+                assert torch.equal(g, g2), f"{name}: two ring runs differ at {where}"
+                torch.testing.assert_close(g.float(), r.float(), rtol=1e-4,
+                                           atol=1e-4 * float(r.float().abs().max()) + 1e-6, msg=f"{name} at {where}")
     check_against_float64((1, 3000, 1536), torch.bfloat16, "per-sample", "per-sample", True, "cuda", 9)
     check_against_float64((1, 200, 6144), torch.float32, "per-sample", "per-sample", True, "cuda", 10)  # 4 chunks
     check_against_float64((2, 100, 12288), torch.bfloat16, "per-sample", "shared", True, "cuda", 11)  # two-kernel

@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import adaptiveload  # noqa: F401  (registers torch.ops.adaptiveload.*)
-from adaptiveload.ops import extension
+from adaptiveload.ops import _tuning, extension
+from adaptiveload.ops.rms_norm_modulate import op as rms_op
 from adaptiveload.ops.testing import (GRAD_LAYOUTS, LAYOUTS, OPCHECK_UTILS, TOL, assert_rel, check_backward_strides,
                                        check_op_against_float64, lay_out_grad, make_mod, property_strategies, rel_err)
 
@@ -167,23 +168,29 @@ def _bad(**changes):
     (_bad(x=torch.randint(0, 3, (2, 5, 8))), ["x", "floating"]),
     (_bad(scale=None), ["scale is required"]),
 ])
-def test_bad_inputs_raise_value_error_naming_the_tensor(kwargs, names):
+@pytest.mark.parametrize("impl", ["op", "cuda-impl"])
+def test_bad_inputs_raise_value_error_naming_the_tensor(kwargs, names, impl):
+    """Through the op (the reference on CPU) and through the CUDA implementation's own checks."""
+    forward = {"op": OP, "cuda-impl": rms_op._rms_norm_modulate_cuda}[impl]
     with pytest.raises(ValueError) as err:
-        OP(kwargs["x"], kwargs["weight"], kwargs["scale"], kwargs["shift"], EPS, torch.float32)
+        forward(kwargs["x"], kwargs["weight"], kwargs["scale"], kwargs["shift"], EPS, torch.float32)
     for name in names:
         assert name in str(err.value)
     assert "rms_norm_modulate" in str(err.value)
 
 
-def test_bad_eps_and_backward_inputs_raise():
+@pytest.mark.parametrize("impl", ["op", "cuda-impl"])
+def test_bad_eps_and_backward_inputs_raise(impl):
+    forward, backward = {"op": (OP, BACKWARD),
+                         "cuda-impl": (rms_op._rms_norm_modulate_cuda, rms_op._rms_norm_modulate_backward_cuda)}[impl]
     a = _bad()
     with pytest.raises(ValueError, match="eps must be a non-negative number, got -1"):
-        OP(a["x"], a["weight"], a["scale"], a["shift"], -1.0, torch.float32)
+        forward(a["x"], a["weight"], a["scale"], a["shift"], -1.0, torch.float32)
     rstd = torch.ones(2, 5)
     with pytest.raises(ValueError, match=r"rms_norm_modulate_backward: dy \(shape \[2, 5\]"):
-        BACKWARD(torch.ones(2, 5), a["x"], a["weight"], a["scale"], a["shift"], rstd)
+        backward(torch.ones(2, 5), a["x"], a["weight"], a["scale"], a["shift"], rstd)
     with pytest.raises(ValueError, match=r"rms_norm_modulate_backward: rstd \(shape \[2\]"):
-        BACKWARD(torch.ones_like(a["x"]), a["x"], a["weight"], a["scale"], a["shift"], torch.ones(2))
+        backward(torch.ones_like(a["x"]), a["x"], a["weight"], a["scale"], a["shift"], torch.ones(2))
 
 
 def test_double_backward_raises():
@@ -217,6 +224,17 @@ def kernels():
     if module is None:
         pytest.skip("the CUDA kernels could not be built")
     return module
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B, tokens, D, scale_layout, shift_layout", [
+    (2, (4099,), 3072, "strided-per-sample", "per-sample"), (1, (300,), 12288, "per-sample", "shared"),
+    (2, (517,), 1536, "per-token", "per-sample")])
+def test_kernels_two_kernel_backward(kernels, B, tokens, D, scale_layout, shift_layout):
+    """The backward's two-kernel design (dx, then the column sums re-reading x and dy), forced where
+    the kernels would take one pass, and at D = 12288, where it is their own choice."""
+    with _tuning.override(two_kernel=True):
+        check_against_float64((B, *tokens, D), torch.bfloat16, scale_layout, shift_layout, True, "cuda", 3)
 
 
 @pytest.mark.cuda

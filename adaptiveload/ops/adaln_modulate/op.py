@@ -120,22 +120,31 @@ _lib.impl("adaln_modulate_backward", _adaln_modulate_backward_reference, "Compos
 common.differentiable(_lib, "adaln_modulate", n_tensors=5)
 
 
+def _kernels_take(x, weight, bias, scale, shift, out_dtype, eps) -> bool:
+    """:func:`check_inputs`, then whether the CUDA kernels take these inputs (remembered per signature
+    by :func:`adaptiveload.ops.common.cuda_kernels`)."""
+    check_inputs(x, weight, bias, scale, shift, out_dtype, eps)
+    return common.kernels_apply(x, (weight, bias), (scale, shift))
+
+
+def _kernels_take_backward(dy, x, weight, bias, scale, shift, mean, rstd) -> bool:
+    """:func:`check_backward_inputs`, then whether the CUDA kernels take these inputs."""
+    check_backward_inputs(dy, x, weight, bias, scale, shift, mean, rstd)
+    return common.kernels_apply(x, (weight, bias), (scale, shift), (mean, dy))
+
+
 def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
-    common.validate(check_inputs, (x, weight, bias, scale, shift), out_dtype, eps)
-    settings = common.forward_settings()
-    ops = common.kernel_module(x, (weight, bias), (scale, shift))
+    ops = common.cuda_kernels(_kernels_take, (x, weight, bias, scale, shift), out_dtype, eps)
     if ops is None:
         return reference.forward(x, weight, bias, scale, shift, eps, out_dtype)
-    return ops.forward(x, weight, bias, scale, shift, float(eps), out_dtype, *settings)
+    return ops.forward(x, weight, bias, scale, shift, eps, out_dtype)
 
 
 def _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd):
-    common.validate(check_backward_inputs, (dy, x, weight, bias, scale, shift, mean, rstd))
-    settings = common.backward_settings()
-    ops = common.kernel_module(x, (weight, bias), (scale, shift), (mean, dy))
+    ops = common.cuda_kernels(_kernels_take_backward, (dy, x, weight, bias, scale, shift, mean, rstd))
     if ops is None:
         return common.grads_or_empty(reference.backward(dy, x, weight, bias, scale, shift, mean, rstd), x)
-    return ops.backward(dy, x, weight, bias, scale, shift, mean, rstd, *settings)
+    return ops.backward(dy, x, weight, bias, scale, shift, mean, rstd)
 
 
 _lib.impl("adaln_modulate", _adaln_modulate_cuda, "CUDA")

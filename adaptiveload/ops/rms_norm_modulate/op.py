@@ -117,22 +117,31 @@ _lib.impl("rms_norm_modulate_backward", _rms_norm_modulate_backward_reference, "
 common.differentiable(_lib, "rms_norm_modulate", n_tensors=4)
 
 
+def _kernels_take(x, weight, scale, shift, out_dtype, eps) -> bool:
+    """:func:`check_inputs`, then whether the CUDA kernels take these inputs (remembered per signature
+    by :func:`adaptiveload.ops.common.cuda_kernels`)."""
+    check_inputs(x, weight, scale, shift, out_dtype, eps)
+    return common.kernels_apply(x, (weight,), (scale, shift))
+
+
+def _kernels_take_backward(dy, x, weight, scale, shift, rstd) -> bool:
+    """:func:`check_backward_inputs`, then whether the CUDA kernels take these inputs."""
+    check_backward_inputs(dy, x, weight, scale, shift, rstd)
+    return common.kernels_apply(x, (weight,), (scale, shift), (rstd, dy))
+
+
 def _rms_norm_modulate_cuda(x, weight, scale, shift, eps, out_dtype):
-    common.validate(check_inputs, (x, weight, scale, shift), out_dtype, eps)
-    settings = common.forward_settings()
-    ops = common.kernel_module(x, (weight,), (scale, shift))
+    ops = common.cuda_kernels(_kernels_take, (x, weight, scale, shift), out_dtype, eps)
     if ops is None:
         return reference.forward(x, weight, scale, shift, eps, out_dtype)
-    return ops.rms_forward(x, weight, scale, shift, float(eps), out_dtype, *settings)
+    return ops.rms_forward(x, weight, scale, shift, eps, out_dtype)
 
 
 def _rms_norm_modulate_backward_cuda(dy, x, weight, scale, shift, rstd):
-    common.validate(check_backward_inputs, (dy, x, weight, scale, shift, rstd))
-    settings = common.backward_settings()
-    ops = common.kernel_module(x, (weight,), (scale, shift), (rstd, dy))
+    ops = common.cuda_kernels(_kernels_take_backward, (dy, x, weight, scale, shift, rstd))
     if ops is None:
         return common.grads_or_empty(reference.backward(dy, x, weight, scale, shift, rstd), x)
-    return ops.rms_backward(dy, x, weight, scale, shift, rstd, *settings)
+    return ops.rms_backward(dy, x, weight, scale, shift, rstd)
 
 
 _lib.impl("rms_norm_modulate", _rms_norm_modulate_cuda, "CUDA")
