@@ -17,6 +17,13 @@ found under the lock, since only a dead builder can have left it).
 When the kernels cannot be built (no CUDA toolkit, a compiler error) :func:`kernels` logs and warns
 once with the cause and returns None, and the op runs its PyTorch reference implementation;
 ``ADAPTIVELOAD_REQUIRE_KERNEL=1`` turns that into a ``RuntimeError``.
+
+Loading the module registers the ops' CUDA and AutogradCUDA kernels with the dispatcher from C++
+(``csrc/norm_modulate_dispatch.cu``), so that later CUDA calls run no Python. The call that builds
+the module is served by the op's Python CUDA path (:data:`CUDA_PATHS`), which the ops'
+CompositeExplicitAutograd kernels route CUDA tensors to until then; afterwards the C++ kernels hand
+that path the calls they do not take (invalid inputs, for its ``ValueError``; float64, rows wider than
+the kernels', mixed modulation dtypes, for its reference).
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -38,6 +45,10 @@ logger = logging.getLogger("adaptiveload.ops")
 _MODULE_NAME = "adaptiveload_adaln_kernels"
 # -O3 for the device code; the kernels use constexpr helpers from host and device code
 _NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-std=c++17", "-lineinfo"]
+
+#: Each op's Python CUDA path by op name (validation, then the kernels or the reference), set by the op
+#: modules on import; the loaded kernels get them (``register_dispatch``) for the calls they do not take.
+CUDA_PATHS: dict[str, Callable] = {}
 
 _lock = threading.Lock()
 _module: Optional[ModuleType] = None
@@ -160,6 +171,13 @@ def _build(verbose: bool = False) -> ModuleType:
                 os.environ["TORCH_CUDA_ARCH_LIST"] = previous
 
 
+def _load(verbose: bool = False) -> ModuleType:
+    """The built module, its dispatcher kernels handed the ops' Python CUDA paths."""
+    module = _build(verbose=verbose)
+    module.register_dispatch(CUDA_PATHS)
+    return module
+
+
 def _require() -> bool:
     return os.environ.get("ADAPTIVELOAD_REQUIRE_KERNEL", "") not in ("", "0")
 
@@ -178,7 +196,7 @@ def kernels() -> Optional[ModuleType]:
     with _lock:
         if _module is None and _failure is None:
             try:
-                _module = _build()
+                _module = _load()
             except Exception as err:  # noqa: BLE001 - any build failure means "use the reference"
                 _failure = f"{type(err).__name__}: {' '.join(str(err).split())[:400]}"
                 if not _require():
@@ -207,6 +225,6 @@ def build(verbose: bool = False) -> Path:
     global _module, _failure
     with _lock:
         if _module is None:
-            _module = _build(verbose=verbose)
+            _module = _load(verbose=verbose)
             _failure = None
     return cache_dir()

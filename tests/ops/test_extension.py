@@ -10,6 +10,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -142,12 +143,15 @@ def test_build_removes_a_stale_baton_under_the_lock(fresh, monkeypatch, tmp_path
         calls["baton_gone"] = not (Path(build_directory) / "lock").exists()
         calls["sources"] = sorted(Path(s).name for s in sources)
         calls["arch"] = os.environ["TORCH_CUDA_ARCH_LIST"]
-        return "module"
+        return SimpleNamespace(register_dispatch=lambda paths: calls.update(paths=sorted(paths)))
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     assert extension.build() == out
     assert calls["baton_gone"] and calls["arch"] == "9.0"
     assert calls["sources"] == sorted(p.name for p in extension.source_dir().rglob("*.cu"))
+    # the loaded kernels get every op's Python CUDA path, for the calls they do not take
+    assert calls["paths"] == ["adaln_modulate", "adaln_modulate_backward", "rms_norm_modulate",
+                              "rms_norm_modulate_backward"]
 
 
 @pytest.mark.slow  # two Python subprocesses that import torch

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from adaptiveload.ops import common
+from adaptiveload.ops import common, extension
 from adaptiveload.ops.adaln_modulate import reference
 
 _OP = "adaln_modulate"
@@ -83,6 +83,8 @@ def _adaln_modulate_reference(x, weight, bias, scale, shift, eps, out_dtype):
     Raises:
         ValueError: shapes or dtypes that do not fit (the message names the tensor and its shape).
     """
+    if x.is_cuda:  # until the kernels are loaded; then their own CUDA registration serves it
+        return _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype)
     common.validate(check_inputs, (x, weight, bias, scale, shift), out_dtype, eps)
     return reference.forward(x, weight, bias, scale, shift, eps, out_dtype)
 
@@ -105,6 +107,8 @@ def _adaln_modulate_backward_reference(dy, x, weight, bias, scale, shift, mean, 
     Raises:
         ValueError: shapes or dtypes that do not fit (the message names the tensor and its shape).
     """
+    if x.is_cuda:  # until the kernels are loaded; then their own CUDA registration serves it
+        return _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd)
     common.validate(check_backward_inputs, (dy, x, weight, bias, scale, shift, mean, rstd))
     return common.grads_or_empty(reference.backward(dy, x, weight, bias, scale, shift, mean, rstd), x)
 
@@ -147,5 +151,5 @@ def _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd)
     return ops.backward(dy, x, weight, bias, scale, shift, mean, rstd)
 
 
-_lib.impl("adaln_modulate", _adaln_modulate_cuda, "CUDA")
-_lib.impl("adaln_modulate_backward", _adaln_modulate_backward_cuda, "CUDA")
+extension.CUDA_PATHS.update({"adaln_modulate": _adaln_modulate_cuda,
+                              "adaln_modulate_backward": _adaln_modulate_backward_cuda})

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from adaptiveload.ops import common
+from adaptiveload.ops import common, extension
 from adaptiveload.ops.rms_norm_modulate import reference
 
 _OP = "rms_norm_modulate"
@@ -81,6 +81,8 @@ def _rms_norm_modulate_reference(x, weight, scale, shift, eps, out_dtype):
     Raises:
         ValueError: shapes or dtypes that do not fit (the message names the tensor and its shape).
     """
+    if x.is_cuda:  # until the kernels are loaded; then their own CUDA registration serves it
+        return _rms_norm_modulate_cuda(x, weight, scale, shift, eps, out_dtype)
     common.validate(check_inputs, (x, weight, scale, shift), out_dtype, eps)
     return reference.forward(x, weight, scale, shift, eps, out_dtype)
 
@@ -102,6 +104,8 @@ def _rms_norm_modulate_backward_reference(dy, x, weight, scale, shift, rstd):
     Raises:
         ValueError: shapes or dtypes that do not fit (the message names the tensor and its shape).
     """
+    if x.is_cuda:  # until the kernels are loaded; then their own CUDA registration serves it
+        return _rms_norm_modulate_backward_cuda(dy, x, weight, scale, shift, rstd)
     common.validate(check_backward_inputs, (dy, x, weight, scale, shift, rstd))
     return common.grads_or_empty(reference.backward(dy, x, weight, scale, shift, rstd), x)
 
@@ -144,5 +148,5 @@ def _rms_norm_modulate_backward_cuda(dy, x, weight, scale, shift, rstd):
     return ops.rms_backward(dy, x, weight, scale, shift, rstd)
 
 
-_lib.impl("rms_norm_modulate", _rms_norm_modulate_cuda, "CUDA")
-_lib.impl("rms_norm_modulate_backward", _rms_norm_modulate_backward_cuda, "CUDA")
+extension.CUDA_PATHS.update({"rms_norm_modulate": _rms_norm_modulate_cuda,
+                              "rms_norm_modulate_backward": _rms_norm_modulate_backward_cuda})

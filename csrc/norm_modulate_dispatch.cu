@@ -1,0 +1,322 @@
+// The ops' CUDA and AutogradCUDA kernels, registered with the dispatcher from C++ when this module is
+// loaded (the first CUDA call of an op builds and loads it, through the op's Python CUDA path, which
+// serves that call): from then on a call of torch.ops.adaptiveload.* on CUDA tensors, eager or from a
+// compiled graph, runs no Python. Before the load, the ops' CompositeExplicitAutograd kernels route
+// CUDA tensors to that Python path, and their Autograd kernels (Python) serve the first call.
+//
+// The CUDA kernels here take the inputs that the Python validation accepts and the kernels handle
+// (fast_* below: sizes, dtypes and devices compared, nothing allocated); every other call goes to the
+// op's Python CUDA path (set_fallbacks), whose validation raises the ValueError naming the tensor and
+// whose reference serves float64, rows wider than kMaxFeatures, empty x and mixed modulation dtypes.
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <array>
+
+#include "norm_modulate_ops.h"
+
+namespace adaln {
+namespace {
+
+using at::Tensor;
+using c10::optional;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// ---------------------------------------------------------------------------------------------
+// Inputs the kernels take (a subset of those the Python validation accepts)
+
+bool kernel_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+// modulation_layout(t.shape, x.shape) in adaptiveload/ops/common.py: per-sample, per-token or shared
+bool layout_ok(const Tensor& t, const Tensor& x) {
+  const int64_t xd = x.dim(), td = t.dim();
+  if (td == 0 || td > xd || t.size(-1) != x.size(-1)) return false;
+  const int64_t off = xd - td;
+  auto padded = [&](int64_t i) { return i < off ? int64_t{1} : t.size(i - off); };
+  if (padded(0) != 1 && padded(0) != x.size(0)) return false;
+  bool ones = true, same = true;
+  for (int64_t i = 1; i + 1 < xd; ++i) {
+    ones = ones && padded(i) == 1;
+    same = same && padded(i) == x.size(i);
+  }
+  return ones || same;
+}
+
+bool fast_mod(const Tensor& m, const Tensor& x) {
+  return m.device() == x.device() && (m.scalar_type() == x.scalar_type() || m.scalar_type() == at::kFloat) &&
+         layout_ok(m, x);
+}
+
+bool fast_param(const optional<Tensor>& p, const Tensor& x) {
+  return !p.has_value() || (p->device() == x.device() && kernel_dtype(p->scalar_type()) && p->dim() == 1 &&
+                            p->size(0) == x.size(-1));
+}
+
+bool fast_inputs(const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias, const Tensor& scale,
+                 const optional<Tensor>& shift) {
+  return x.is_cuda() && x.dim() >= 2 && x.numel() > 0 && x.size(-1) <= kMaxFeatures &&
+         kernel_dtype(x.scalar_type()) && fast_param(weight, x) && fast_param(bias, x) && fast_mod(scale, x) &&
+         (!shift.has_value() || fast_mod(*shift, x));
+}
+
+bool fast_forward(const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias, const Tensor& scale,
+                  const optional<Tensor>& shift, double eps, at::ScalarType out_dtype) {
+  return eps >= 0 && (kernel_dtype(out_dtype) || out_dtype == at::kDouble) &&
+         fast_inputs(x, weight, bias, scale, shift);
+}
+
+// a saved statistic or dy: on x's device, of the given sizes, a kernel dtype
+bool fast_like(const Tensor& t, const Tensor& x, at::IntArrayRef sizes) {
+  return t.device() == x.device() && kernel_dtype(t.scalar_type()) && t.sizes() == sizes;
+}
+
+bool fast_backward(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
+                   const Tensor& scale, const optional<Tensor>& shift, const optional<Tensor>& mean,
+                   const Tensor& rstd) {
+  if (!fast_inputs(x, weight, bias, scale, shift) || !fast_like(dy, x, x.sizes())) return false;
+  const at::IntArrayRef rows = x.sizes().slice(0, x.dim() - 1);
+  return fast_like(rstd, x, rows) && (!mean.has_value() || fast_like(*mean, x, rows));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Python CUDA paths (adaptiveload/ops/<op>/op.py), for the calls the fast checks turn away
+
+enum Op : int { kAdaln = 0, kAdalnBackward, kRms, kRmsBackward, kOps };
+
+std::array<PyObject*, kOps>& fallbacks() {
+  static std::array<PyObject*, kOps> fns{};  // new references, kept for the life of the process
+  return fns;
+}
+
+template <typename Result, typename... Args>
+Result python_path(Op op, const Args&... args) {
+  py::gil_scoped_acquire gil;
+  PyObject* fn = fallbacks()[op];
+  TORCH_CHECK(fn != nullptr, "adaptiveload: the ops' Python CUDA paths are not registered (set_fallbacks)");
+  return py::reinterpret_borrow<py::object>(fn)(args...).template cast<Result>();
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA kernels of the four ops (their schemas: adaptiveload/ops/<op>/op.py)
+
+using Fwd3 = std::tuple<Tensor, Tensor, Tensor>;
+using Fwd2 = std::tuple<Tensor, Tensor>;
+using Bwd5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+using Bwd4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+Fwd3 adaln_cuda(const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias, const Tensor& scale,
+                const optional<Tensor>& shift, double eps, at::ScalarType out_dtype) {
+  if (!fast_forward(x, weight, bias, scale, shift, eps, out_dtype))
+    return python_path<Fwd3>(kAdaln, x, weight, bias, scale, shift, eps, out_dtype);
+  auto out = op_forward(Norm::Layer, x, weight, bias, scale, shift, eps, out_dtype);
+  return {out[0], out[1], out[2]};
+}
+
+Bwd5 adaln_backward_cuda(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
+                         const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                         const Tensor& mean, const Tensor& rstd) {
+  if (!fast_backward(dy, x, weight, bias, scale, shift, mean, rstd))
+    return python_path<Bwd5>(kAdalnBackward, dy, x, weight, bias, scale, shift, mean, rstd);
+  auto g = op_backward(Norm::Layer, dy, x, weight, bias, scale, shift, mean, rstd);
+  return {g[0], g[1], g[2], g[3], g[4]};
+}
+
+Fwd2 rms_cuda(const Tensor& x, const optional<Tensor>& weight, const Tensor& scale, const optional<Tensor>& shift,
+              double eps, at::ScalarType out_dtype) {
+  if (!fast_forward(x, weight, c10::nullopt, scale, shift, eps, out_dtype))
+    return python_path<Fwd2>(kRms, x, weight, scale, shift, eps, out_dtype);
+  auto out = op_forward(Norm::RMS, x, weight, c10::nullopt, scale, shift, eps, out_dtype);
+  return {out[0], out[2]};
+}
+
+Bwd4 rms_backward_cuda(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
+                       const optional<Tensor>& shift, const Tensor& rstd) {
+  if (!fast_backward(dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd))
+    return python_path<Bwd4>(kRmsBackward, dy, x, weight, scale, shift, rstd);
+  auto g = op_backward(Norm::RMS, dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd);
+  return {g[0], g[1], g[3], g[4]};
+}
+
+// ---------------------------------------------------------------------------------------------
+// AutogradCUDA kernels: what common.differentiable registers in Python (the Autograd alias key, which
+// keeps serving CPU), in C++ for CUDA tensors. The forward saves its tensor inputs and statistics,
+// never the normalised tensor; the backward op has no derivative.
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> typed_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+using AdalnSig = Fwd3(const Tensor&, const optional<Tensor>&, const optional<Tensor>&, const Tensor&,
+                      const optional<Tensor>&, double, at::ScalarType);
+using AdalnBwdSig = Bwd5(const Tensor&, const Tensor&, const optional<Tensor>&, const optional<Tensor>&,
+                         const Tensor&, const optional<Tensor>&, const Tensor&, const Tensor&);
+using RmsSig = Fwd2(const Tensor&, const optional<Tensor>&, const Tensor&, const optional<Tensor>&, double,
+                    at::ScalarType);
+using RmsBwdSig = Bwd4(const Tensor&, const Tensor&, const optional<Tensor>&, const Tensor&,
+                       const optional<Tensor>&, const Tensor&);
+
+const c10::TypedOperatorHandle<AdalnSig>& adaln_op() {
+  static const auto op = typed_op<AdalnSig>("adaptiveload::adaln_modulate");
+  return op;
+}
+const c10::TypedOperatorHandle<AdalnBwdSig>& adaln_backward_op() {
+  static const auto op = typed_op<AdalnBwdSig>("adaptiveload::adaln_modulate_backward");
+  return op;
+}
+const c10::TypedOperatorHandle<RmsSig>& rms_op() {
+  static const auto op = typed_op<RmsSig>("adaptiveload::rms_norm_modulate");
+  return op;
+}
+const c10::TypedOperatorHandle<RmsBwdSig>& rms_backward_op() {
+  static const auto op = typed_op<RmsBwdSig>("adaptiveload::rms_norm_modulate_backward");
+  return op;
+}
+
+optional<Tensor> saved(const Tensor& t) { return t.defined() ? optional<Tensor>(t) : c10::nullopt; }
+Tensor unless_absent(const Tensor& g, const Tensor& input) { return input.defined() ? g : Tensor(); }
+
+template <typename... Ts>
+bool needs_grad(const Ts&... ts) {
+  if (!at::GradMode::is_enabled()) return false;
+  auto req = [](const auto& t) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(t)>, Tensor>) return t.requires_grad();
+    else return t.has_value() && t->requires_grad();
+  };
+  return (req(ts) || ...);
+}
+
+struct AdalnFunction : public torch::autograd::Function<AdalnFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const optional<Tensor>& weight,
+                               const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                               double eps, at::ScalarType out_dtype) {
+    Tensor y, mean, rstd;
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      std::tie(y, mean, rstd) = adaln_op().call(x, weight, bias, scale, shift, eps, out_dtype);
+    }
+    ctx->save_for_backward({x, weight.value_or(Tensor()), bias.value_or(Tensor()), scale,
+                            shift.value_or(Tensor()), mean, rstd});
+    ctx->mark_non_differentiable({mean, rstd});
+    return {y, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    auto g = adaln_backward_op().call(grads[0], s[0], saved(s[1]), saved(s[2]), s[3], saved(s[4]), s[5], s[6]);
+    return {std::get<0>(g), unless_absent(std::get<1>(g), s[1]), unless_absent(std::get<2>(g), s[2]),
+            std::get<3>(g), unless_absent(std::get<4>(g), s[4]), Tensor(), Tensor()};
+  }
+};
+
+struct RmsFunction : public torch::autograd::Function<RmsFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const optional<Tensor>& weight,
+                               const Tensor& scale, const optional<Tensor>& shift, double eps,
+                               at::ScalarType out_dtype) {
+    Tensor y, rstd;
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      std::tie(y, rstd) = rms_op().call(x, weight, scale, shift, eps, out_dtype);
+    }
+    ctx->save_for_backward({x, weight.value_or(Tensor()), scale, shift.value_or(Tensor()), rstd});
+    ctx->mark_non_differentiable({rstd});
+    return {y, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    auto g = rms_backward_op().call(grads[0], s[0], saved(s[1]), s[2], saved(s[3]), s[4]);
+    return {std::get<0>(g), unless_absent(std::get<1>(g), s[1]), std::get<2>(g),
+            unless_absent(std::get<3>(g), s[3]), Tensor(), Tensor()};
+  }
+};
+
+// The backward ops: a call that would need their derivative (create_graph with inputs that require
+// grad) records a node whose backward raises, as in Python.
+template <typename Result, typename Sig>
+struct FirstDerivativeOnly : public torch::autograd::Function<FirstDerivativeOnly<Result, Sig>> {
+  template <typename... Args>
+  static variable_list forward(AutogradContext* ctx, const c10::TypedOperatorHandle<Sig>* op, const Args&... args) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    Result r = op->call(args...);
+    return std::apply([](const auto&... t) { return variable_list{t...}; }, r);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list) {
+    TORCH_CHECK(false, "adaptiveload: the norm-modulate backward ops have no derivative (first derivatives only, "
+                       "no double backward)");
+    return {};
+  }
+};
+
+Fwd3 adaln_autograd(const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
+                    const Tensor& scale, const optional<Tensor>& shift, double eps, at::ScalarType out_dtype) {
+  if (!needs_grad(x, weight, bias, scale, shift)) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return adaln_op().call(x, weight, bias, scale, shift, eps, out_dtype);
+  }
+  auto out = AdalnFunction::apply(x, weight, bias, scale, shift, eps, out_dtype);
+  return {out[0], out[1], out[2]};
+}
+
+Fwd2 rms_autograd(const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
+                  const optional<Tensor>& shift, double eps, at::ScalarType out_dtype) {
+  if (!needs_grad(x, weight, scale, shift)) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return rms_op().call(x, weight, scale, shift, eps, out_dtype);
+  }
+  auto out = RmsFunction::apply(x, weight, scale, shift, eps, out_dtype);
+  return {out[0], out[1]};
+}
+
+Bwd5 adaln_backward_autograd(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
+                             const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                             const Tensor& mean, const Tensor& rstd) {
+  if (!needs_grad(dy, x, weight, bias, scale, shift, mean, rstd)) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return adaln_backward_op().call(dy, x, weight, bias, scale, shift, mean, rstd);
+  }
+  auto g = FirstDerivativeOnly<Bwd5, AdalnBwdSig>::apply(&adaln_backward_op(), dy, x, weight, bias, scale, shift,
+                                                         mean, rstd);
+  return {g[0], g[1], g[2], g[3], g[4]};
+}
+
+Bwd4 rms_backward_autograd(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
+                           const optional<Tensor>& shift, const Tensor& rstd) {
+  if (!needs_grad(dy, x, weight, scale, shift, rstd)) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return rms_backward_op().call(dy, x, weight, scale, shift, rstd);
+  }
+  auto g = FirstDerivativeOnly<Bwd4, RmsBwdSig>::apply(&rms_backward_op(), dy, x, weight, scale, shift, rstd);
+  return {g[0], g[1], g[2], g[3]};
+}
+
+}  // namespace
+
+void register_dispatch(py::dict paths) {
+  static const char* const names[kOps] = {"adaln_modulate", "adaln_modulate_backward", "rms_norm_modulate",
+                                          "rms_norm_modulate_backward"};
+  for (int i = 0; i < kOps; ++i) {
+    TORCH_CHECK(paths.contains(names[i]), "register_dispatch: no Python CUDA path for ", names[i]);
+    py::object fn = paths[names[i]];
+    Py_XDECREF(fallbacks()[i]);
+    fallbacks()[i] = fn.inc_ref().ptr();
+  }
+}
+
+}  // namespace adaln
+
+TORCH_LIBRARY_IMPL(adaptiveload, CUDA, m) {
+  m.impl("adaln_modulate", TORCH_FN(adaln::adaln_cuda));
+  m.impl("adaln_modulate_backward", TORCH_FN(adaln::adaln_backward_cuda));
+  m.impl("rms_norm_modulate", TORCH_FN(adaln::rms_cuda));
+  m.impl("rms_norm_modulate_backward", TORCH_FN(adaln::rms_backward_cuda));
+}
+
+TORCH_LIBRARY_IMPL(adaptiveload, AutogradCUDA, m) {
+  m.impl("adaln_modulate", TORCH_FN(adaln::adaln_autograd));
+  m.impl("adaln_modulate_backward", TORCH_FN(adaln::adaln_backward_autograd));
+  m.impl("rms_norm_modulate", TORCH_FN(adaln::rms_autograd));
+  m.impl("rms_norm_modulate_backward", TORCH_FN(adaln::rms_backward_autograd));
+}
