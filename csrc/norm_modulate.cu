@@ -1,8 +1,9 @@
 // Python bindings of the fused norm -> modulate kernels (forward / backward: LayerNorm, for
 // adaln_modulate; rms_forward / rms_backward: RMSNorm, for rms_norm_modulate): validate every input
 // at the boundary (one TORCH_CHECK per constraint, naming the tensor and what was expected), allocate
-// the outputs and launch on the current stream. Called from adaptiveload/ops/<op>/op.py, which owns
-// each op's registrations (the public op's CUDA kernel is registered there, once). Every kernel
+// the outputs and launch on the current stream. The ops' dispatcher kernels for CUDA tensors
+// (norm_modulate_dispatch.cu) call op_forward / op_backward; the bindings serve the ops' Python CUDA
+// paths (adaptiveload/ops/<op>/op.py: the first call, and the calls those kernels hand back). Every kernel
 // choice (block shape, ring slots, how y is stored, the short blocks after the wave, the backward's
 // design) is the launchers' own, from the shape, dtypes, layout and device; set_tuning forces them
 // for benchmarks and tests (adaptiveload/ops/_tuning.py).
@@ -15,7 +16,7 @@
 #include <mutex>
 #include <tuple>
 
-#include "norm_modulate.cuh"
+#include "norm_modulate_ops.h"
 
 namespace adaln {
 
@@ -352,20 +353,6 @@ optional<Tensor> affine_f32(const optional<Tensor>& t) {
 
 std::vector<int64_t> stat_shape(const Tensor& x) { return {x.sizes().begin(), x.sizes().end() - 1}; }
 
-// {y, mean (undefined for RMSNorm), rstd} in x's shape, y in out_dtype, the per-row statistics in
-// fp32: the CUDA body of either op's forward
-std::vector<Tensor> op_forward(Norm norm, const Tensor& x, const optional<Tensor>& weight,
-                               const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                               double eps, at::ScalarType out_dtype) {
-  const int64_t B = x.size(0), D = x.size(-1);
-  const auto [scale_rows, shift_rows] = scale_shift_rows(x, scale, shift);
-  auto out = forward_rows(norm, x.contiguous().view({B, -1, D}), affine_f32(weight), affine_f32(bias), scale_rows,
-                          shift_rows, eps, out_dtype != x.scalar_type());
-  Tensor y = out[0];
-  if (out_dtype != x.scalar_type() && out_dtype != at::kFloat) y = y.to(out_dtype);
-  return {y.view(x.sizes()), out[1].defined() ? out[1].view(stat_shape(x)) : out[1], out[2].view(stat_shape(x))};
-}
-
 std::tuple<Tensor, Tensor, Tensor> adaln_forward(const Tensor& x, const optional<Tensor>& weight,
                                                  const optional<Tensor>& bias, const Tensor& scale,
                                                  const optional<Tensor>& shift, double eps,
@@ -393,6 +380,38 @@ Tensor or_empty(const optional<Tensor>& g, const Tensor& x) { return g.has_value
 // is an empty [0] tensor.
 Tensor stat_rows(const Tensor& s) { return s.to(at::kFloat).contiguous().view(-1); }
 
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> adaln_backward(
+    const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
+    const Tensor& scale, const optional<Tensor>& shift, const Tensor& mean, const Tensor& rstd) {
+  auto g = op_backward(Norm::Layer, dy, x, weight, bias, scale, shift, mean, rstd);
+  return {g[0], g[1], g[2], g[3], g[4]};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x,
+                                                        const optional<Tensor>& weight, const Tensor& scale,
+                                                        const optional<Tensor>& shift, const Tensor& rstd) {
+  auto g = op_backward(Norm::RMS, dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd);
+  return {g[0], g[1], g[3], g[4]};
+}
+
+}  // namespace
+
+// The ops' CUDA bodies (norm_modulate_ops.h), for the dispatcher kernels (norm_modulate_dispatch.cu)
+// and the bindings below.
+// {y, mean (undefined for RMSNorm), rstd} in x's shape, y in out_dtype, the per-row statistics in
+// fp32: the CUDA body of either op's forward
+std::vector<Tensor> op_forward(Norm norm, const Tensor& x, const optional<Tensor>& weight,
+                               const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                               double eps, at::ScalarType out_dtype) {
+  const int64_t B = x.size(0), D = x.size(-1);
+  const auto [scale_rows, shift_rows] = scale_shift_rows(x, scale, shift);
+  auto out = forward_rows(norm, x.contiguous().view({B, -1, D}), affine_f32(weight), affine_f32(bias), scale_rows,
+                          shift_rows, eps, out_dtype != x.scalar_type());
+  Tensor y = out[0];
+  if (out_dtype != x.scalar_type() && out_dtype != at::kFloat) y = y.to(out_dtype);
+  return {y.view(x.sizes()), out[1].defined() ? out[1].view(stat_shape(x)) : out[1], out[2].view(stat_shape(x))};
+}
+
 // {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (an empty tensor for an
 // absent input): the CUDA body of either op's backward (mean: none for RMSNorm)
 std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x, const optional<Tensor>& weight,
@@ -412,21 +431,6 @@ std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x,
   return {g[0].view(x.sizes()), or_empty(dweight, x), or_empty(dbias, x), mod_grad(g[1], scale, x), or_empty(dshift, x)};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> adaln_backward(
-    const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
-    const Tensor& scale, const optional<Tensor>& shift, const Tensor& mean, const Tensor& rstd) {
-  auto g = op_backward(Norm::Layer, dy, x, weight, bias, scale, shift, mean, rstd);
-  return {g[0], g[1], g[2], g[3], g[4]};
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x,
-                                                        const optional<Tensor>& weight, const Tensor& scale,
-                                                        const optional<Tensor>& shift, const Tensor& rstd) {
-  auto g = op_backward(Norm::RMS, dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd);
-  return {g[0], g[1], g[3], g[4]};
-}
-
-}  // namespace
 }  // namespace adaln
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -459,6 +463,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const adaln::Tuning t = adaln::tuning();
     return std::make_tuple(t.max_threads, t.fwd_stages, t.bwd_stages, t.store, t.tail_pct, t.tail_rows, t.two_kernel);
   }, "the kernel choices in force, as set_tuning's arguments");
+  m.def("register_dispatch", &adaln::register_dispatch,
+        "hand the dispatcher kernels (registered for CUDA and AutogradCUDA when this module loads) the ops' "
+        "Python CUDA paths, {op name: callable}, which serve the calls the kernels do not take",
+        py::arg("paths"));
   m.def("modulation_rows", [](const at::Tensor& t, const at::Tensor& x) { return adaln::modulation_rows(t, x, t.scalar_type()); },
         "the [B or 1, N or 1, D] row view of modulation t that the kernels read for x (a copy only where the "
         "token dims do not collapse to one stride or D is not unit-stride)", py::arg("t"), py::arg("x"));

@@ -6,9 +6,11 @@ Registrations, in one place, one per dispatch key: the schemas (``torch.library.
 input validation, the fake kernels (symbolic shapes), the autograd formula (an Autograd-key kernel
 around a ``torch.autograd.Function`` that calls ``adaptiveload::adaln_modulate_backward``, see
 :func:`adaptiveload.ops.common.differentiable`), the reference implementation (``reference.py``:
-CPU and any device without its own kernel) and the CUDA implementation (the ``csrc/`` kernels,
+CPU and any device without its own kernel) and the CUDA path (validation, then the ``csrc/`` kernels,
 falling back to the reference with one warning when they cannot be built). float64 inputs and rows
-wider than the kernels' limit use the reference.
+wider than the kernels' limit use the reference. Once the kernels are loaded, CUDA calls go to their
+own CUDA and AutogradCUDA kernels, registered from C++ (``csrc/norm_modulate_dispatch.cu``), which
+hand the CUDA path below only the calls they do not take (see :mod:`adaptiveload.ops.extension`).
 """
 from __future__ import annotations
 
