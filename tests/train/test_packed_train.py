@@ -20,10 +20,11 @@ PACKS = [[(2, 4, 6), (1, 4, 6), (1, 4, 6)], [(3, 4, 4)], [(1, 4, 4), (2, 4, 6), 
          [(2, 6, 8), (2, 6, 8)]]
 
 
-def _step(backend="eager", lr=1e-4):
+def _step(backend="eager", lr=1e-4, checkpointing=False):
     torch.manual_seed(0)
     model = build_model("tiny")
-    return TrainStep(model, StepConfig(backend=backend, inner="aot_eager", learning_rate=lr), DistContext())
+    config = StepConfig(backend=backend, inner="aot_eager", learning_rate=lr, activation_checkpointing=checkpointing)
+    return TrainStep(model, config, DistContext())
 
 
 def _items(shapes, seed=3):
@@ -50,21 +51,24 @@ def test_collate_pack_orders_by_shape_and_patchifies_latents_and_noise():
 
 
 @pytest.mark.parametrize("weight", [1.0, 0.0])
-def test_pack_step_equals_each_sample_alone(weight):
+@pytest.mark.parametrize("backend, checkpointing", [("eager", False), ("adaptiveload", True)])
+def test_pack_step_equals_each_sample_alone(weight, backend, checkpointing):
     """Loss sum and gradients of a pack through forward_packed equal those of each sample alone
-    through forward (float32, 1e-5 relative); a padding pack (weight 0) runs and adds nothing."""
+    through an eager model's forward (float32, 1e-5 relative), also with compiled, checkpointed
+    blocks (the attention op's saved statistics inside the checkpoint); a padding pack (weight 0)
+    runs and adds nothing."""
     shapes = PACKS[2]
     spec, items = _items(shapes)
-    step = _step()
+    step = _step(backend, checkpointing=checkpointing)
     num_samples = 7  # the step's samples on every rank: each loss is divided by it
     loss = step.forward_backward(collate_pack(items, spec.patch_size, spec.text_len), num_samples, weight)
     grads = {n: p.grad.clone() for n, p in step.module.named_parameters()}
-    step.optimizer.zero_grad(set_to_none=True)
-    expected = sum(flow_matching_loss(step.module, b.latents, b.context, b.noise, b.sigma).sum()
+    reference = _step().module
+    expected = sum(flow_matching_loss(reference, b.latents, b.context, b.noise, b.sigma).sum()
                    for b in (collate([item], spec.text_len) for item in items))
     (expected / num_samples).backward()
     assert float(loss) == pytest.approx(weight * float(expected.detach()), rel=1e-5)
-    for name, p in step.module.named_parameters():
+    for name, p in reference.named_parameters():
         if weight:
             assert (grads[name] - p.grad).norm() <= 1e-5 * p.grad.norm() + 1e-10, name
         else:
@@ -113,7 +117,7 @@ def test_blocks_get_fresh_tensors():
     pack = collate_pack(items, spec.patch_size, spec.text_len)
     seen = []
     for block in model.blocks:
-        block.register_forward_pre_hook(lambda module, args: seen.append([a for a in args if isinstance(a, torch.Tensor)]))
+        block.register_forward_pre_hook(lambda _, args: seen.append([a for a in args if isinstance(a, torch.Tensor)]))
     model.forward_packed(pack.tokens, pack.sigma * 1000, pack.context, pack.grid, pack.layout.cu_seqlens)
     assert len(seen) == len(model.blocks) and all(len(args) == 7 for args in seen)
     assert [[a._base is None for a in args] for args in seen] == [[True] * 7] * len(seen)
