@@ -215,8 +215,8 @@ def test_packed_attention_cuda_kernels(dtype, backend, kernel):
             eager = []  # plain SDPA on each sample in dtype: the error to compare with
             for i in range(len(lens)):
                 qi, ki, vi = (t[c[i]:c[i + 1]].detach().requires_grad_() for t, c in zip(leaves, (cu_q, cu_kv, cu_kv)))
-                oi = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (qi, ki, vi)))
-                oi = oi.transpose(0, 1)
+                oi = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (qi, ki, vi)))
+                oi = oi[0].transpose(0, 1)
                 eager.append((oi, *torch.autograd.grad(oi, (qi, ki, vi), grad[cu_q[i]:cu_q[i + 1]].to("cuda", dtype))))
         assert kernels[:-1].tolist() == [kernel] * len(lens)
         for j, (g, e) in enumerate(zip(got, expected)):
