@@ -275,7 +275,9 @@ class WanDiT(nn.Module):
         The same function as :meth:`forward` on each sample alone: each sample's tokens get its own
         3D RoPE positions, timestep modulation (expanded to its tokens) and text, and attend only to
         each other (:func:`~adaptiveload.models.packed.packed_attention`, dense SDPA per group of
-        samples of equal length, outside any compiled graph).
+        samples of equal length, outside any compiled graph). For compiled blocks, the blocks get
+        fresh tensors (no views) and the pack's ``n * L`` text tokens are an unbacked size, so no
+        graph depends on the number of samples (docs/load-balancing.md, "Packed training").
 
         Args:
             tokens: [sum S_i, in_channels * pt * ph * pw] patchified noisy latents
@@ -298,21 +300,29 @@ class WanDiT(nn.Module):
         cu_host = self._check_packed_inputs(tokens, timestep, context, grid, cu_seqlens)
         param_dtype = self.patch_embedding.weight.dtype
         n, text_len = context.shape[0], context.shape[1]
-        lengths = torch.diff(cu_host).to(device=tokens.device, dtype=torch.int64)
-        segment_ids = torch.repeat_interleave(torch.arange(n, device=tokens.device), lengths, output_size=tokens.shape[0])
+        # built on the host and copied without waiting (a blocking copy to a GPU waits for its queue)
+        segment_ids = torch.repeat_interleave(torch.arange(n), torch.diff(cu_host)).to(tokens.device, non_blocking=True)
 
-        # the Conv3d patch embedding is a linear map of each patch: [1, sum S, dim]
-        x = F.linear(tokens.to(param_dtype), self.patch_embedding.weight.flatten(1), self.patch_embedding.bias)[None]
+        # The blocks get fresh tensors, not views: Dynamo guards on a view's base, so a view in the first
+        # block and fresh tensors in the next ones would compile two graphs.
+        # The Conv3d patch embedding is a linear map of each patch: [1, sum S, dim].
+        x = F.linear(tokens.to(param_dtype), self.patch_embedding.weight.flatten(1),
+                     self.patch_embedding.bias)[None].clone()
         temb = self.time_embedding(timestep_embedding(timestep, cfg.freq_dim).to(param_dtype))  # [n, dim]
-        temb6 = self.time_projection(temb).unflatten(1, (6, cfg.dim))  # [n, 6, dim]
-        context = self.text_embedding(context.to(param_dtype)).flatten(0, 1)[None]  # [1, n * L, dim]
+        temb6 = self.time_projection(temb).unflatten(1, (6, cfg.dim))[None, segment_ids]  # [1, sum S, 6, dim]
+        context = self.text_embedding(context.to(param_dtype)).flatten(0, 1)[None].clone()  # [1, n * L, dim]
         cu_context = torch.arange(n + 1, dtype=torch.int32) * text_len
+        if not torch.compiler.is_compiling():
+            # n * L is an unbacked size to the compiled blocks: no guard on it, whatever Inductor's thresholds
+            torch._dynamo.decorators.mark_unbacked(context, 1)
 
         table_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        tables = [rope_tables(tuple(g), cfg.head_dim, device=x.device, dtype=table_dtype) for g in grid.tolist()]
-        cos, sin = (torch.cat(t) for t in zip(*tables))
+        shapes, repeats = torch.unique_consecutive(grid.cpu(), dim=0, return_counts=True)
+        tables = [rope_tables(tuple(g), cfg.head_dim, device=x.device, dtype=table_dtype) for g in shapes.tolist()]
+        cos, sin = (torch.cat([t for t, k in zip(column, repeats.tolist()) for _ in range(k)])
+                    for column in zip(*tables))
 
-        x = self._blocks(x, context, temb6[segment_ids][None], cos, sin, cu_host, cu_context)
+        x = self._blocks(x, context, temb6, cos, sin, cu_host, cu_context)
         temb = temb[segment_ids][None]  # [1, sum S, dim]
         shift, scale = self.scale_shift_table[:, :1] + temb, self.scale_shift_table[:, 1:] + temb
         x = self.proj_out(self._modulate_head(x, shift, scale))[0]  # [sum S, pt * ph * pw * C]

@@ -19,8 +19,9 @@ adds a line naming it.
 
 Compile happens before timing (:func:`warm_up`): one frozen-weight step per kind of batch the
 sampler yields (:func:`warm_up_batches`), or, for packs, on the largest and the smallest pack of
-epoch 0 and a one-sample pack (:func:`warm_up_packs`: the compiled blocks see every pack through
-the same graphs); a step that compiled anyway is flagged (``compiled``).
+each octave of token counts in epoch 0 and a one-sample pack (:func:`warm_up_packs`: the compiled
+blocks see every pack through graphs that differ only by Inductor's thresholds on the token count);
+a step that compiled anyway is flagged (``compiled``).
 """
 from __future__ import annotations
 
@@ -244,17 +245,27 @@ def warm_up_batches(bucket_keys: np.ndarray, batch_kinds: np.ndarray) -> list[tu
 
 def warm_up_packs(packing: EpochPacking, latent_shapes: np.ndarray) -> list[np.ndarray]:
     """Packs that compile, before timing, every graph a packed run needs: latent shapes [n, 3] of the
-    epoch's pack of most tokens, of its pack of fewest, and of the one-sample padding pack (distinct
-    ones, fewest tokens first). The compiled blocks take every pack through the same graphs (ΣS and
-    the boundaries are dynamic sizes); the largest pack also meets Inductor's size thresholds first.
+    epoch's packs of fewest and of most tokens in each octave of token counts (``sum S`` in
+    ``[2^k, 2^(k+1))``), and of the one-sample padding pack (distinct ones, fewest tokens first).
+
+    The compiled blocks take every pack through the same graph code (``sum S`` and the boundaries
+    are dynamic sizes, the text tokens an unbacked one): only Inductor's size thresholds on ``sum S``
+    split them into graphs, one per interval between thresholds that a pack falls in. The thresholds
+    seen lie at a few thousand tokens (CPU: 4,096, the reduction length from which Inductor
+    accumulates in blocks; CUDA at D = 1536: 3,414 and 4,096, its mixed-order reduction fusion) and
+    at 32-bit indexing (``sum S`` times the widest row reaching 2^31), at most one inside an octave:
+    an octave's two ends then cover both of its intervals. Two packs per octave at most, a step each.
 
     Args:
         packing: :meth:`PackingSampler.epoch_plan` of epoch 0.
         latent_shapes: int [num_samples, 3] of the corpus.
     """
     tokens = np.add.reduceat(packing.seq_lens[packing.order].astype(np.int64), packing.pack_start)
-    packs = [packing.order[packing.pack_start[k]:packing.pack_start[k] + packing.pack_size[k]]
-             for k in {int(np.argmax(tokens)), int(np.argmin(tokens))}]
+    octave = np.floor(np.log2(tokens)).astype(np.int64)
+    by_tokens = np.lexsort((tokens, octave))  # by octave, then tokens: each octave's ends are adjacent
+    first = np.flatnonzero(np.r_[True, octave[by_tokens][1:] != octave[by_tokens][:-1]])
+    ends = np.unique(np.concatenate([by_tokens[first], by_tokens[np.r_[first[1:], by_tokens.size] - 1]]))
+    packs = [packing.order[packing.pack_start[k]:packing.pack_start[k] + packing.pack_size[k]] for k in ends.tolist()]
     packs.append(np.array([packing.padding_sample]))
     distinct = {tuple(map(tuple, np.asarray(latent_shapes)[p].tolist())): np.asarray(latent_shapes)[p] for p in packs}
     return sorted(distinct.values(), key=lambda shapes: (int(shapes.prod(axis=1).sum()), len(shapes)))

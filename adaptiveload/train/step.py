@@ -21,9 +21,11 @@ Packs (policy ``packed``, a :class:`~adaptiveload.train.data.PackBatch`): the mo
 the same per-sample loss, each sample's mean over its own (C, T, H, W)), and a pack's loss is
 multiplied by its weight: 0 for a padding pack (a rank without samples in an epoch's last step
 trains one sample that counts nowhere, :meth:`~adaptiveload.sched.packing.PackingSampler.loss_weight`),
-so ``N_global`` counts the samples of weight 1. The blocks see ``[1, sum S, dim]`` and int32
-boundaries ``[n + 1]``, all marked dynamic: a new pack composition does not recompile (attention is
-an opaque op, :mod:`adaptiveload.models.packed`).
+so ``N_global`` counts the samples of weight 1. The blocks see ``[1, sum S, dim]`` tokens and int32
+boundaries ``[n + 1]``, marked dynamic, and the pack's ``n·L`` text tokens, which the model marks
+unbacked (attention is an opaque op, :mod:`adaptiveload.models.packed`): the number of samples never
+changes a graph, and ``sum S`` only through Inductor's size thresholds, whose graphs the job's
+warm-up compiles (:func:`~adaptiveload.train.loop.warm_up_packs`).
 
 Unequal batches across ranks: each rank's loss is ``W · Σ_local loss(sample) / N_global`` where
 ``N_global`` is the number of samples in the whole step (all ranks, all-reduced by the caller).
@@ -263,7 +265,7 @@ def packed_flow_matching_loss(forward_packed, tokens: Tensor, context: Tensor, n
     prediction = forward_packed(noisy, 1000.0 * sigma.float(), context, grid, cu_seqlens)
     squared = (prediction.float() - (noise - tokens).float()).pow(2).sum(dim=1)  # [sum S]
     sums = squared.new_zeros(sigma.shape[0]).index_add_(0, segment_ids, squared)
-    values = torch.diff(cu_seqlens).to(device=sums.device, dtype=torch.float32) * tokens.shape[1]
+    values = (torch.diff(cu_seqlens).to(torch.float32) * tokens.shape[1]).to(sums.device, non_blocking=True)
     return sums / values
 
 
@@ -317,7 +319,8 @@ def _block_inputs_dynamic(module, args):
     e.g. diffusers' rotary (cos, sin)) with every dim but the channel (last) dim marked dynamic, so
     every block and every bucket reuse the same graphs (the first block otherwise receives a
     transposed view from the patch embedding, the others do not); 1-D integer inputs (a pack's
-    boundaries ``cu_seqlens`` [n + 1]) have their one dim marked dynamic, so packs of any n share them."""
+    boundaries ``cu_seqlens`` [n + 1]) have their one dim marked dynamic, so packs of any n share them.
+    A dim the caller marked unbacked stays unbacked (Dynamo ranks that mark first)."""
 
     def prepare(arg):
         if isinstance(arg, (tuple, list)):

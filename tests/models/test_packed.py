@@ -5,9 +5,11 @@ import re
 import pytest
 import torch
 from hypothesis import given, strategies as st
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from adaptiveload.models import WanConfig, build_model, make_inputs
 from adaptiveload.models.packed import packed_attention, patchify_packed, unpatchify_packed
+from adaptiveload.ops.testing import OPCHECK_UTILS
 
 # Two blocks, tiny sizes, 1x2x2 patch; T, H, W of the latents below are multiples of it.
 CONFIG = WanConfig(dim=24, num_layers=2, num_heads=2, ffn_dim=32, in_channels=3, out_channels=2,
@@ -120,24 +122,108 @@ def _masked_reference(q, k, v, cu_q, cu_kv):
     return out.transpose(0, 1)
 
 
-@given(q_lens=st.lists(st.sampled_from([1, 3, 5]), min_size=1, max_size=6), text=st.sampled_from([None, 2, 4]))
-def test_packed_attention_equals_block_diagonal_attention(q_lens, text):
-    """Self-attention (kv = q's lengths) and cross-attention (text tokens per sample): values and
-    gradients of q, k, v equal masked dense attention over the pack."""
-    kv_lens = q_lens if text is None else [text] * len(q_lens)
+def _attention_inputs(q_lens, kv_lens, dtype=torch.float32, device="cpu", seed=0):
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     cu_kv = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32)
-    gen = torch.Generator().manual_seed(sum(q_lens))
-    q = torch.randn(int(cu_q[-1]), 2, 4, generator=gen, requires_grad=True)
-    k, v = (torch.randn(int(cu_kv[-1]), 2, 4, generator=gen, requires_grad=True) for _ in range(2))
-    grad = torch.randn(q.shape, generator=gen)
-    out = packed_attention(q, k, v, cu_q, cu_kv)
-    got = torch.autograd.grad(out, (q, k, v), grad)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(int(cu_q[-1]), 2, 4, generator=gen).to(device, dtype).requires_grad_()
+    k, v = (torch.randn(int(cu_kv[-1]), 2, 4, generator=gen).to(device, dtype).requires_grad_() for _ in range(2))
+    return q, k, v, cu_q, cu_kv, torch.randn(q.shape, generator=gen).to(device, dtype)
+
+
+# the flash kernel (log-sum-exp kept, no recomputation) and the math one (recomputed in backward)
+CPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@given(q_lens=st.lists(st.sampled_from([1, 3, 5]), min_size=1, max_size=6), text=st.sampled_from([None, 2, 4]))
+def test_packed_attention_equals_block_diagonal_attention(backend, q_lens, text):
+    """Self-attention (kv = q's lengths) and cross-attention (text tokens per sample): values and
+    gradients of q, k, v equal masked dense attention over the pack, whichever kernel runs."""
+    q, k, v, cu_q, cu_kv, grad = _attention_inputs(q_lens, q_lens if text is None else [text] * len(q_lens),
+                                                   seed=sum(q_lens))
+    with sdpa_kernel(backend):
+        out = packed_attention(q, k, v, cu_q, cu_kv)
+        got = torch.autograd.grad(out, (q, k, v), grad)
     ref = _masked_reference(q, k, v, cu_q, cu_kv)
     expected = torch.autograd.grad(ref, (q, k, v), grad.double())
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _attention_kernels(fn) -> tuple[int, int]:
+    """Runs ``fn``; returns how many CPU flash attention forwards and backwards it ran (also inside ops)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    names = [event.name for event in prof.events()]
+    return (names.count("aten::_scaled_dot_product_flash_attention_for_cpu"),
+            names.count("aten::_scaled_dot_product_flash_attention_for_cpu_backward"))
+
+
+@pytest.mark.parametrize("forward, backward", [(SDPBackend.FLASH_ATTENTION, SDPBackend.MATH),
+                                               (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION)])
+def test_backward_runs_the_forward_kernel_without_recomputing(forward, backward):
+    """Two groups of samples (lengths 3, 3 and 5): after a flash forward, the backward runs the flash
+    kernel's backward once per group and no attention forward, even under another SDPA choice
+    (math); after a math forward, which keeps no statistics, it recomputes each group's attention
+    (with the backward's choice: flash forward and backward)."""
+    q, k, v, cu_q, cu_kv, grad = _attention_inputs([3, 3, 5], [3, 3, 5])
+    with sdpa_kernel(forward):
+        out = packed_attention(q, k, v, cu_q, cu_kv)
+    got = []
+    with sdpa_kernel(backward):
+        counts = _attention_kernels(lambda: got.extend(torch.autograd.grad(out, (q, k, v), grad)))
+    assert counts == ((0, 2) if forward == SDPBackend.FLASH_ATTENTION else (2, 2))  # recomputed: the flash forward too
+    expected = torch.autograd.grad(_masked_reference(q, k, v, cu_q, cu_kv), (q, k, v), grad.double())
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_packed_attention_opcheck(backend):
+    """Schema, autograd registration, fake kernels and AOT dispatch with dynamic shapes."""
+    q, k, v, cu_q, cu_kv, _ = _attention_inputs([3, 1, 5, 5], [2, 2, 2, 2])
+    with sdpa_kernel(backend):
+        torch.library.opcheck(torch.ops.adaptiveload.packed_attention.default, (q, k, v, cu_q, cu_kv),
+                              test_utils=OPCHECK_UTILS)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend, kernel", [(SDPBackend.CUDNN_ATTENTION, 2), (SDPBackend.FLASH_ATTENTION, 3),
+                                             (SDPBackend.EFFICIENT_ATTENTION, 0), (SDPBackend.MATH, 0)])
+def test_packed_attention_cuda_kernels(dtype, backend, kernel):
+    """Each CUDA kernel of SDPA (head dim 128, samples of 1,000 and 300 tokens and text of 64):
+    values and gradients against masked float64 attention, within 2x the error of plain SDPA in the
+    same dtype run on each sample; the kernel recorded for backward is the one picked."""
+    gen = torch.Generator().manual_seed(0)
+    heads, dim, lens, text = 4, 128, [1000, 300, 1000], 64
+    for kv_lens in (lens, [text] * len(lens)):
+        cu_q = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        cu_kv = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32)
+        q = torch.randn(sum(lens), heads, dim, generator=gen, dtype=torch.float64)
+        k, v = (torch.randn(sum(kv_lens), heads, dim, generator=gen, dtype=torch.float64) for _ in range(2))
+        grad = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+        leaves = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)]
+        ref_leaves = [t.cuda().requires_grad_() for t in (q, k, v)]
+        ref = _masked_reference(*ref_leaves, cu_q, cu_kv)
+        expected = (ref, *torch.autograd.grad(ref, ref_leaves, grad.cuda()))
+        with sdpa_kernel(backend):
+            out, _, kernels = torch.ops.adaptiveload.packed_attention(*leaves, cu_q, cu_kv)
+            got = (out, *torch.autograd.grad(out, leaves, grad.to("cuda", dtype)))
+            eager = []  # plain SDPA on each sample in dtype: the error to compare with
+            for i in range(len(lens)):
+                qi, ki, vi = (t[c[i]:c[i + 1]].detach().requires_grad_() for t, c in zip(leaves, (cu_q, cu_kv, cu_kv)))
+                oi = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (qi, ki, vi)))
+                oi = oi[0].transpose(0, 1)
+                eager.append((oi, *torch.autograd.grad(oi, (qi, ki, vi), grad[cu_q[i]:cu_q[i + 1]].to("cuda", dtype))))
+        assert kernels[:-1].tolist() == [kernel] * len(lens)
+        for j, (g, e) in enumerate(zip(got, expected)):
+            side = cu_q if j in (0, 1) else cu_kv
+            plain = torch.cat([eager[i][j] for i in range(len(lens))]).double()
+            bound = 2 * (plain - e).norm() + 1e-6 * e.norm()
+            assert (g.double() - e).norm() <= bound, (j, float((g.double() - e).norm()), float(bound), side.tolist())
 
 
 def test_packed_attention_is_an_opaque_op_under_compile():

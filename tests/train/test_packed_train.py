@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from adaptiveload.models import build_model, patchify_packed
+from adaptiveload.models import WanConfig, WanDiT, build_model, patchify_packed
 from adaptiveload.sched.metrics import composition
 from adaptiveload.train.data import LatentDataset, collate, collate_pack, synthetic_pack
 from adaptiveload.train.distributed import DistContext
@@ -20,10 +20,11 @@ PACKS = [[(2, 4, 6), (1, 4, 6), (1, 4, 6)], [(3, 4, 4)], [(1, 4, 4), (2, 4, 6), 
          [(2, 6, 8), (2, 6, 8)]]
 
 
-def _step(backend="eager", lr=1e-4):
+def _step(backend="eager", lr=1e-4, checkpointing=False):
     torch.manual_seed(0)
     model = build_model("tiny")
-    return TrainStep(model, StepConfig(backend=backend, inner="aot_eager", learning_rate=lr), DistContext())
+    config = StepConfig(backend=backend, inner="aot_eager", learning_rate=lr, activation_checkpointing=checkpointing)
+    return TrainStep(model, config, DistContext())
 
 
 def _items(shapes, seed=3):
@@ -50,21 +51,24 @@ def test_collate_pack_orders_by_shape_and_patchifies_latents_and_noise():
 
 
 @pytest.mark.parametrize("weight", [1.0, 0.0])
-def test_pack_step_equals_each_sample_alone(weight):
+@pytest.mark.parametrize("backend, checkpointing", [("eager", False), ("adaptiveload", True)])
+def test_pack_step_equals_each_sample_alone(weight, backend, checkpointing):
     """Loss sum and gradients of a pack through forward_packed equal those of each sample alone
-    through forward (float32, 1e-5 relative); a padding pack (weight 0) runs and adds nothing."""
+    through an eager model's forward (float32, 1e-5 relative), also with compiled, checkpointed
+    blocks (the attention op's saved statistics inside the checkpoint); a padding pack (weight 0)
+    runs and adds nothing."""
     shapes = PACKS[2]
     spec, items = _items(shapes)
-    step = _step()
+    step = _step(backend, checkpointing=checkpointing)
     num_samples = 7  # the step's samples on every rank: each loss is divided by it
     loss = step.forward_backward(collate_pack(items, spec.patch_size, spec.text_len), num_samples, weight)
     grads = {n: p.grad.clone() for n, p in step.module.named_parameters()}
-    step.optimizer.zero_grad(set_to_none=True)
-    expected = sum(flow_matching_loss(step.module, b.latents, b.context, b.noise, b.sigma).sum()
+    reference = _step().module
+    expected = sum(flow_matching_loss(reference, b.latents, b.context, b.noise, b.sigma).sum()
                    for b in (collate([item], spec.text_len) for item in items))
     (expected / num_samples).backward()
     assert float(loss) == pytest.approx(weight * float(expected.detach()), rel=1e-5)
-    for name, p in step.module.named_parameters():
+    for name, p in reference.named_parameters():
         if weight:
             assert (grads[name] - p.grad).norm() <= 1e-5 * p.grad.norm() + 1e-10, name
         else:
@@ -86,18 +90,75 @@ def test_packs_of_any_composition_reuse_the_compiled_blocks():
     torch._dynamo.reset()
 
 
-def test_warm_up_packs_are_the_largest_smallest_and_padding_packs():
+def test_warm_up_packs_are_each_octave_s_ends_and_the_padding_pack():
     from adaptiveload.sched.cost_model import QuadraticCostModel
     from adaptiveload.sched.packing import PackingSampler
 
-    shapes = np.array([(1, 4, 6)] * 12 + [(3, 8, 8)] * 3 + [(1, 2, 2)] * 2)
+    shapes = np.array([(1, 4, 6)] * 40 + [(3, 8, 8)] * 3 + [(1, 2, 2)] * 2 + [(1, 6, 6)] * 10)
     sampler = PackingSampler(shapes, 200, 0.05, QuadraticCostModel(0.01, 1e-4, 1e-7), num_replicas=2, rank=0)
     packing = sampler.epoch_plan(0)
     seq = shapes.prod(axis=1) // 4
     tokens = [int(seq[packing.order[s:s + n]].sum()) for s, n in zip(packing.pack_start, packing.pack_size)]
+    octaves = {}  # packs by floor(log2(tokens))
+    for t in tokens:
+        octaves.setdefault(t.bit_length(), []).append(t)
+    expected = sorted({1} | {min(o) for o in octaves.values()} | {max(o) for o in octaves.values()})
+    assert len(octaves) > 1 and len(expected) > 3  # several octaves, one with two ends
     packs = warm_up_packs(packing, shapes)
-    assert [int((p.prod(axis=1) // 4).sum()) for p in packs] == sorted({1, min(tokens), max(tokens)})
+    assert [int((p.prod(axis=1) // 4).sum()) for p in packs] == expected
     assert packs[0].tolist() == [[1, 2, 2]]  # the padding pack: the shortest sample alone
+
+
+def test_blocks_get_fresh_tensors():
+    """forward_packed hands the blocks no views (Dynamo guards on a view's base: a view in the first
+    block only would compile it a graph of its own)."""
+    model = build_model("tiny")
+    spec, items = _items(PACKS[2])
+    pack = collate_pack(items, spec.patch_size, spec.text_len)
+    seen = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda _, args: seen.append([a for a in args if isinstance(a, torch.Tensor)]))
+    model.forward_packed(pack.tokens, pack.sigma * 1000, pack.context, pack.grid, pack.layout.cu_seqlens)
+    assert len(seen) == len(model.blocks) and all(len(args) == 7 for args in seen)
+    assert [[a._base is None for a in args] for args in seen] == [[True] * 7] * len(seen)
+
+
+# CPU Inductor guards a reduction's length at 4,096 (it accumulates longer ones in blocks): these packs'
+# tokens sum S and text tokens n * 512 fall on both sides of it
+INDUCTOR_CONFIG = WanConfig(dim=32, num_layers=2, num_heads=2, ffn_dim=32, in_channels=4, out_channels=4, text_dim=16,
+                            text_len=512, freq_dim=16)
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_graphs_of_an_epoch_in_warm_up():
+    """Backend adaptiveload with Inductor inside: an epoch of 32 packs of 1 to 21 samples, sum S from 4
+    to 4,608 tokens and 512 to 10,752 text tokens compiles at most 2 graphs of the blocks, one per
+    side of 4,096 tokens in sum S (the text tokens are unbacked, the sample count a dynamic size),
+    all in the job's warm-up; the epoch's steps compile none. (Before: 8 packs of such compositions
+    compiled 8 graphs, one per combination of sides of sum S and n * L, and each again for the first
+    block, whose input was a view.) About 60 s on 2 busy cores, mostly Inductor's compile."""
+    from adaptiveload.sched.cost_model import QuadraticCostModel
+    from adaptiveload.sched.packing import PackingSampler
+    from adaptiveload.train.loop import warm_up
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    step = TrainStep(WanDiT(INDUCTOR_CONFIG), StepConfig(backend="adaptiveload", inner="inductor"), DistContext())
+    spec = InputSpec.from_model(step.module)
+    shapes = np.array([(1, 4, 4)] * 300 + [(2, 8, 8)] * 20 + [(4, 64, 72)] * 2 + [(4, 32, 64)] * 3 + [(4, 8, 8)] * 6)
+    sampler = PackingSampler(shapes, 6000, 0.5, QuadraticCostModel(0.01, 1e-4, 1e-9), num_replicas=1, rank=0)
+    packing = sampler.epoch_plan(0)
+    packs = [packing.indices(s, 0) for s in range(packing.num_steps)]
+    seq = shapes.prod(axis=1) // 4
+    tokens, text = [int(seq[p].sum()) for p in packs], [len(p) * 512 for p in packs]
+    assert min(tokens) <= 4096 < max(tokens) and min(text) <= 4096 < max(text) and len({len(p) for p in packs}) >= 4
+    before = compiled_graphs()
+    assert warm_up(step, spec, sampler, DistContext(), progress=False, latent_shapes=shapes) is None
+    in_warm_up = compiled_graphs() - before
+    for p in packs:
+        step(synthetic_pack(spec, shapes[p]), len(p))
+    assert 1 <= in_warm_up <= 2 and compiled_graphs() - before == in_warm_up
+    torch._dynamo.reset()
 
 
 def test_step_composition_is_the_metric_of_the_trained_indices():
