@@ -144,16 +144,19 @@ Tuning tuning() {
   return tuning_set;
 }
 
-void set_tuning(int64_t max_threads, int64_t fwd_stages, int64_t bwd_stages, int64_t store, int64_t tail_pct,
-                int64_t tail_rows, bool two_kernel) {
-  TORCH_CHECK(max_threads == 0 || (max_threads >= 32 && max_threads <= kMaxThreads),
-              "set_tuning: max_threads must be 0 (automatic) or 32..", kMaxThreads, ", got ", max_threads);
+// Sets the override; returns what is wrong with the arguments ("" when they are fine, and then set).
+// A return value rather than an exception: the Python layer (_tuning.override) raises the ValueError.
+std::string set_tuning(int64_t max_threads, int64_t fwd_stages, int64_t bwd_stages, int64_t store, int64_t tail_pct,
+                       int64_t tail_rows, bool two_kernel) {
+  if (max_threads != 0 && (max_threads < 32 || max_threads > kMaxThreads))
+    return c10::str("set_tuning: max_threads must be 0 (automatic) or 32..", kMaxThreads, ", got ", max_threads);
   for (int64_t stages : {fwd_stages, bwd_stages})
-    TORCH_CHECK(stages == -1 || stages == 0 || (stages >= 2 && stages <= kMaxStages),
-                "set_tuning: stages must be -1 (automatic), 0 or 2..", kMaxStages, ", got ", stages);
-  TORCH_CHECK(store >= -1 && store <= 1, "set_tuning: store must be -1, 0 or 1, got ", store);
-  TORCH_CHECK(tail_pct >= -1 && tail_pct <= 50, "set_tuning: tail_pct must be -1 (automatic) or 0..50, got ", tail_pct);
-  TORCH_CHECK(tail_rows >= 1 && tail_rows <= 65536, "set_tuning: tail_rows must be 1..65536, got ", tail_rows);
+    if (stages != -1 && stages != 0 && (stages < 2 || stages > kMaxStages))
+      return c10::str("set_tuning: stages must be -1 (automatic), 0 or 2..", kMaxStages, ", got ", stages);
+  if (store < -1 || store > 1) return c10::str("set_tuning: store must be -1, 0 or 1, got ", store);
+  if (tail_pct < -1 || tail_pct > 50)
+    return c10::str("set_tuning: tail_pct must be -1 (automatic) or 0..50, got ", tail_pct);
+  if (tail_rows < 1 || tail_rows > 65536) return c10::str("set_tuning: tail_rows must be 1..65536, got ", tail_rows);
   Tuning t;
   t.max_threads = static_cast<int>(max_threads);
   t.fwd_stages = static_cast<int>(fwd_stages);
@@ -169,6 +172,7 @@ void set_tuning(int64_t max_threads, int64_t fwd_stages, int64_t bwd_stages, int
                       t.store != d.store || t.tail_pct != d.tail_pct || t.tail_rows != d.tail_rows ||
                       t.two_kernel != d.two_kernel,
                   std::memory_order_release);
+  return "";
 }
 
 // What the forward and the backward launchers share of their kernel arguments (FwdArgs, BwdArgs),
@@ -456,7 +460,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_tuning", &adaln::set_tuning,
         "force kernel choices, process-wide (adaptiveload.ops._tuning.override; benchmarks and tests): "
         "max_threads (0: automatic), fwd_stages / bwd_stages (-1: automatic), store (-1: automatic, 0 threads, "
-        "1 bulk), tail_pct (-1: automatic), tail_rows, two_kernel; the defaults are the launchers' own choices",
+        "1 bulk), tail_pct (-1: automatic), tail_rows, two_kernel; the defaults are the launchers' own choices. "
+        "Returns what is wrong with the arguments, or '' when they are set",
         py::arg("max_threads"), py::arg("fwd_stages"), py::arg("bwd_stages"), py::arg("store"), py::arg("tail_pct"),
         py::arg("tail_rows"), py::arg("two_kernel"));
   m.def("tuning", [] {

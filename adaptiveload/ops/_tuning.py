@@ -125,7 +125,9 @@ def _apply(c: Choices) -> None:
         _current = c
         module = _kernels()
         if module is not None:
-            module.set_tuning(*_native(c))
+            problem = module.set_tuning(*_native(c))
+            if problem:  # the module's own check (values this module's checks let through)
+                raise ValueError(problem)
 
 
 def current() -> Choices:

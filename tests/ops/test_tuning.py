@@ -253,8 +253,7 @@ def test_override_reaches_the_kernel_module(kernels):
                 raise ValueError("inside")
         assert kernels.tuning() == (256, 3, 0, 0, 5, 16, True)
     assert kernels.tuning() == AUTO_NATIVE
-    with pytest.raises(RuntimeError, match="max_threads"):  # the module checks too
-        kernels.set_tuning(31, -1, -1, -1, -1, 8, False)
+    assert "max_threads" in kernels.set_tuning(31, -1, -1, -1, -1, 8, False)  # the module checks too
     assert kernels.tuning() == AUTO_NATIVE
 
 
