@@ -576,7 +576,7 @@ def norm_operands(graph: torch.fx.Graph, chain: Chain, verdict: Verdict, replace
             node = graph.get_attr(value.qualname)
             node.meta["val"] = fake_mode.from_tensor(value.tensor, static_shapes=True)
             return node
-        if isinstance(value, Node) and value._erased and value not in replaced:
+        if isinstance(value, Node) and value._erased:
             # the upcasts stripped from x led into a chain rewritten before: use the cast's result,
             # i.e. that chain's replacement (the same values the norm read)
             value = as_written

@@ -1,37 +1,40 @@
 """Residual norm sites: the residual update whose sum feeds a norm site and also flows on as the
 residual stream, rewritten with the site into one op that returns both::
 
-    r   = x + gate * y      (x + y)                     r, out, *stats = op(x, y, gate, weight, [bias,]
-    out = norm(r) * (1 + scale) + shift     ->                             scale, shift, eps, r_dtype, out_dtype)
+    r   = x + gate * y      (x + y)                 r, out, *stats = op(x, y, gate, weight, [bias,] scale,
+    out = norm(r) * (1 + scale) + shift      ->                         shift, eps, r_dtype, out_dtype)
 
 (``residual_adaln_modulate`` / ``residual_rms_norm_modulate``). :class:`ResidualNormPattern` is the
 norm→modulate pattern of :mod:`adaptiveload.fxfuse.modulate` with a prologue: it matches at the
 norm node, ahead of the plain pattern of its family, and falls through to it wherever it rejects a
 site (registered ``falls_through``), so every site it leaves is fused as before.
 
-Pattern (:func:`match_prologue`): the norm's input, through exact casts (Wan's ``.float()``), is
-``r``: an ``add`` of two tensors, or one narrowing cast of such an add (Wan's
-``(x.float() + y * gate).type_as(x)``). The operand that is a product (through exact casts) of two
-tensors is the gated branch ``gate * y`` -- the second operand when both are, as in
-``x + gate * y`` -- and the other is x; with no product it is the plain residual ``x + y``. Of the
-product's factors y is the one of r's shape (the first when both are) and gate the other; an
-elementwise function of the gate (``tanh(gate)``) is an ordinary node in front. After the norm: one
-modulate chain (any form the plain patterns match), or none (a plain norm, affine or not: Wan's
-cross-attention ``norm2``), with its trailing casts.
+Pattern (:func:`match_prologue`): the norm's input, through exact casts (Wan's ``.float()``), is an
+``add`` of two tensors of the sum's shape (exact casts stripped), or one narrowing cast of such an
+add (Wan's ``(x.float() + y * gate).type_as(x)``). The operand that is a product (through exact
+casts) of y, of the sum's shape, and a gate of a modulation layout of it is the gated branch -- the
+second operand when both are, as in ``x + gate * y`` -- and the other is x; any other product is an
+ungated y, and with none it is the plain residual ``x + y``. An elementwise function of the gate
+(``tanh(gate)``) is an ordinary node in front. r is the last node on the casts from the add to the
+norm that another node reads (the residual stream); the casts after it only feed the norm. After
+the norm: one modulate chain (any form the plain patterns match), or none (a plain norm, affine or
+not: Wan's cross-attention ``norm2``) with its trailing casts. A broadcast add (a modulation's
+shift, a bias) is not a residual: no match.
 
-Check (:meth:`ResidualNormPattern.check`): the norm and modulation rules of the plain pattern, then
-the device switch (``FUSED_DEVICES`` of the op's module: the device types where the op has an
-implementation worth fusing into), then the prologue's (:meth:`~ResidualNormPattern.prologue_reason`),
-then the op's fake kernel. Rejected: a sum rounded twice (a narrowing cast of an add that is not
-in the compute dtype), an unrounded sum or a product with another user, x or y not of r's shape, a
-gate that is not a modulation layout of r, tensors on several devices, a scale/shift computed from
-the sum, a norm input cast that feeds other nodes, an op input computed after a node that reads r,
-a normalised tensor feeding several modulations (the plain pattern fuses each).
+Check (:meth:`ResidualNormPattern.check`): the norm and modulation rules of the plain pattern; the
+device switch (``FUSED_DEVICES`` of the op's module: the device types where the op has an
+implementation worth fusing into); then the prologue's (:meth:`~ResidualNormPattern.prologue_reason`):
+operands floating and on one device; a sum rounded only once on its way to r (one narrowing cast,
+from the compute dtype) and not widened before r; the product, the add and the casts to r feeding
+only the next of them (the op does not output their values); scale and shift not computed from
+the sum; every operand computed before the first node that keeps reading r; then the op's fake
+kernel. A normalised tensor feeding several modulations is rejected at the match (the plain
+pattern fuses each).
 
 Replace: the op goes before the first node that keeps reading r (or the site's final node); r's
 users read the op's r, the final node's users its out; the add, the product, the casts and the norm
 chain die. Rounding: r is summed in float32 and rounded once to r's dtype; a product that eager
-rounds first (Flux's bf16 ``gate * y``) is not rounded, as Inductor's fused kernel does not.
+rounds first (Flux's bf16 ``gate * y``) is not rounded, as Inductor's fused kernel does not round it.
 """
 from __future__ import annotations
 

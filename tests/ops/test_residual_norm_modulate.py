@@ -25,13 +25,16 @@ BACKWARDS = {"layer_norm": torch.ops.adaptiveload.residual_adaln_modulate_backwa
 MODULATIONS = ("none", "scale", "scale+shift")
 
 
-def eager_site(norm, x, y, gate, weight, bias, scale, shift):
-    """The residual update and the norm site as a user writes them (in the inputs' dtype)."""
+def eager_site(norm, x, y, gate, weight, bias, scale, shift, r_dtype=None):
+    """The residual update and the norm site as a user writes them (in the inputs' dtype): ``(r,
+    out)``. With ``r_dtype`` the norm reads r rounded to it, as Wan's ``.type_as(x)`` then
+    ``.float()`` does (the rounding passes gradients through unchanged); r is returned unrounded."""
     r = x + y if gate is None else x + gate * y
+    read = r if r_dtype is None else r.to(r_dtype).to(r.dtype)
     if norm == "layer_norm":
-        n = F.layer_norm(r, (r.shape[-1],), weight, bias, EPS)
+        n = F.layer_norm(read, (r.shape[-1],), weight, bias, EPS)
     else:
-        n = F.rms_norm(r, (r.shape[-1],), weight, EPS)
+        n = F.rms_norm(read, (r.shape[-1],), weight, EPS)
     if scale is None:
         return r, n
     out = n * (1 + scale)
@@ -70,8 +73,9 @@ def make_inputs(norm, x_shape, dtype, gate_layout, modulation, scale_layout, shi
 def check_against_float64(norm, x_shape, dtype, gate_layout, modulation, scale_layout, shift_layout, affine, seed,
                           grad_layout="contiguous", with_dr=True, mod_dtype=None, y_dtype=None):
     """The op forward and backward (dout, and dr unless ``with_dr`` is False, laid out as
-    ``grad_layout``) against float64 autograd of :func:`eager_site` on the same (upcast) inputs:
-    r, out, the statistics and every gradient."""
+    ``grad_layout``) against float64 autograd of :func:`eager_site` on the same (upcast) inputs, its
+    norm reading r rounded to ``dtype`` (the op's r_dtype): r, out, the statistics and every
+    gradient."""
     named = make_inputs(norm, x_shape, dtype, gate_layout, modulation, scale_layout, shift_layout, affine, seed,
                         mod_dtype, y_dtype)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -83,15 +87,17 @@ def check_against_float64(norm, x_shape, dtype, gate_layout, modulation, scale_l
         assert r.dtype == out.dtype == dtype and r.is_contiguous() and out.is_contiguous()
         return (r, out, *stats) if with_dr else (out, r, *stats)
 
+    keys = ("x", "y", "gate", "weight", "bias", "scale", "shift")
+
     def ref_fn(v):
-        r, out = eager_site(norm, *(v.get(k) for k in ("x", "y", "gate", "weight", "bias", "scale", "shift")))
+        r, out = eager_site(norm, *(v.get(k) for k in keys), r_dtype=dtype)
         return (r, out) if with_dr else out
 
     tol = max(TOL[t] for t in (dtype, mod_dtype or dtype, y_dtype or dtype))
     dys, names = ((dr, dout), ("r", "out")) if with_dr else (dout, ("out",))
     outputs, ref = check_op_against_float64(named, op_fn, ref_fn, dys, tol, names)
     stat_dtype = torch.float64 if torch.float64 in (dtype, mod_dtype, y_dtype) else torch.float32
-    r_ref = eager_site(norm, *(ref.get(k) for k in ("x", "y", "gate", "weight", "bias", "scale", "shift")))[0]
+    r_ref = eager_site(norm, *(ref.get(k) for k in keys))[0].to(dtype).double()  # what the op's norm reads
     stats = outputs[2:]
     assert all(s.dtype == stat_dtype and s.shape == x_shape[:-1] for s in stats)
     if norm == "layer_norm":
