@@ -2,8 +2,9 @@
 layouts, devices, dtypes), the per-signature validation cache, the Autograd-key kernel, the
 reference math's helpers, and the CUDA path's settings and kernel selection.
 
-Each op family (``adaln_modulate/``, ``rms_norm_modulate/``) registers its schemas, fake kernels,
-reference and CUDA kernels with the dispatcher directly (``torch.library.Library``) rather than with
+Each op family (``adaln_modulate/``, ``rms_norm_modulate/``, ``residual_norm_modulate/``) registers
+its schemas, fake kernels, reference and CUDA kernels with the dispatcher directly
+(``torch.library.Library``) rather than with
 ``torch.library.custom_op``, whose per-call machinery (argument re-packing, a dataclass, an
 output-aliasing check, extra redispatches) made a forward+backward cost the host about 1.7x the time
 of these registrations (no-op kernels, CPU). The kernels return fresh tensors, never inputs or views
