@@ -172,8 +172,9 @@ def match_prologue(site: NormSite) -> Optional[Prologue]:
         following = path[i + 1] if i + 1 < len(path) else None
         if any(u is not following and u not in norm_reads for u in node.users):
             at = i
-    if at == 0 and start is not add:
-        at = 1  # nothing else reads the sum: r is what the narrowing cast rounds it to
+    # r is at or after the narrowing cast, whose rounded value the norm reads (an unrounded sum that
+    # other nodes read is rejected by the check)
+    at = max(at, 1 if start is not add else 0)
     frame = dict(add=add, residual=path[at], to_residual=path[1:at + 1], to_norm=path[at + 1:])
     stripped = [strip_exact_casts(o)[0] for o in ops]
     if any(_dims(o) != r_dims for o in stripped):
@@ -280,7 +281,8 @@ class ResidualNormPattern(NormModulatePattern):
         r_val = fake_value(prologue.residual)
         vals = {name: fake_value(getattr(prologue, name)) for name in ("x", "y", "gate")}
         inputs = tuple(vals.values())
-        if r_val is None or any(v is None for name, v in vals.items() if name != "gate" or prologue.gate is not None):
+        needed = [v for name, v in vals.items() if name != "gate" or prologue.gate is not None]
+        if r_val is None or any(v is None for v in needed):
             return inputs, None, NO_METADATA
         for name, val in vals.items():
             if val is not None and not is_floating(val):

@@ -166,7 +166,8 @@ def test_residual_sites_fold_inside_checkpointed_blocks_and_match_eager():
     for name, backend, checkpointed in (("reference", "eager", False), ("adaptiveload", "adaptiveload", True)):
         torch.manual_seed(0)
         model = load_model(preset="tiny")
-        config = StepConfig(backend=backend, inner="aot_eager", learning_rate=1e-3, activation_checkpointing=checkpointed)
+        config = StepConfig(backend=backend, inner="aot_eager", learning_rate=1e-3,
+                            activation_checkpointing=checkpointed)
         steps[name] = TrainStep(model, config, DistContext())
     L = steps["adaptiveload"].module.config.num_layers
     batch = synthetic_batch(InputSpec.from_model(steps["reference"].module), 2, (1, 6, 12), seed=2)
