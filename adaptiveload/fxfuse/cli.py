@@ -72,10 +72,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         message = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise ValueError(f"{args.target} failed on inputs {_describe_inputs(inputs)}: "
                          f"{type(err).__name__}: {message}") from None
-    total = FusionReport([c for r in reports for c in r.chains])
+    total = FusionReport([c for r in reports for c in r.chains], [c for r in reports for c in r.deferred])
     print(f"Dynamo captured {len(reports)} graph(s) from {args.target}")
     for i, report in enumerate(reports):
-        if report.seen:
+        if report.seen or report.deferred:
             print(f"\ngraph {i}:")
             print(report.table())
     print(f"\ntotal: {total.summary()}")

@@ -26,6 +26,10 @@ Check: :meth:`NormModulatePattern.check` returns a :class:`Verdict` whose ``reas
 chain is left alone, or None when the fused op provably computes what the chain computed (shapes,
 dtypes and devices from the graph's fake values; the op's own fake kernel run on them as the last
 word).
+
+The residual patterns (:mod:`adaptiveload.fxfuse.residual`) match a norm site the same way and reuse
+these pieces: :func:`site_chains` (match), :meth:`NormModulatePattern.check_chain` (the norm and
+modulation rules), :func:`fake_outputs`, :func:`norm_operands` and :func:`call_fused` (replace).
 """
 from __future__ import annotations
 
@@ -69,7 +73,8 @@ class Chain:
         value: the node holding the normalised tensor that the modulate consumes.
         nodes: the modulate's nodes in graph order; ``nodes[-1]`` is the final node, whose value the
             fused op replaces. Every other node must have no user outside ``nodes``.
-        scale, shift: the graph's modulation nodes (shift None for a scale-only chain).
+        scale, shift: the graph's modulation nodes (shift None for a scale-only chain; both None for
+            a plain norm, :func:`plain_norm_chain`, which only the residual patterns fuse).
         scale_view: for ``(1 + scale)[:, None]`` (diffusers' AdaLayerNormContinuous), the view node
             of ``1 + scale``; the rewrite applies the same view to ``scale``.
         leftovers: nodes the chain reads that may die with it but may also be shared (``1 + scale``).
@@ -80,7 +85,7 @@ class Chain:
     variant: str
     value: Node
     nodes: list[Node]
-    scale: Node
+    scale: Optional[Node]
     shift: Optional[Node]
     leftovers: list[Node] = field(default_factory=list)
     rejection: Optional[str] = None
@@ -267,7 +272,8 @@ class Verdict:
     fake_outputs: Optional[tuple] = None
 
 
-def _describe(name: str, t: torch.Tensor) -> str:
+def describe_fake(name: str, t: torch.Tensor) -> str:
+    """``"name (shape [..], dtype ..)"`` of a fake value, for reasons (symbolic sizes as expressions)."""
     return f"{name} (shape {static_dims(t.shape)}, dtype {str(t.dtype).replace('torch.', '')})"
 
 
@@ -323,30 +329,32 @@ def _signature(t: Optional[torch.Tensor]) -> Optional[tuple]:
     return tuple(static_dims(t.shape)), tuple(static_dims(t.stride())), t.dtype, device_of(t)
 
 
-def _fake_outputs(op, fake_mode, inputs: tuple, eps: float, final_val: torch.Tensor, cache: Optional[dict]) -> tuple:
-    """The op's fake ``(y, *statistics)`` for these fake inputs.
+def fake_outputs(op, fake_mode, inputs: tuple, scalars: tuple, finals: tuple, cache: Optional[dict]) -> tuple:
+    """The op's fake outputs for these fake tensor ``inputs`` and trailing ``scalars``.
 
     The op's fake kernel runs once per distinct input signature (shapes, strides, dtypes, devices,
-    eps, out dtype) -- it validates the inputs and gives the outputs' metadata; a DiT's chains share
-    a handful of signatures, and a fake dispatch costs ~0.2 ms. ``y`` is the replaced node's own fake
-    value when it already has the metadata the kernel gives (the node disappears, so no two live
-    nodes share it); the per-row statistics, which no node reads, are shared between chains of one
-    signature.
+    scalars) -- it validates the inputs and gives the outputs' metadata; a DiT's chains share a
+    handful of signatures, and a fake dispatch costs ~0.2 ms. Output i < len(finals) replaces the
+    node whose fake value is ``finals[i]``: it is that value itself when it already has the metadata
+    the kernel gives (the node disappears, so no two live nodes share it); the other outputs (per-row
+    statistics, which no node reads) are shared between chains of one signature.
     """
-    key = (op, tuple(_signature(t) for t in inputs), eps, final_val.dtype)
+    key = (op, tuple(_signature(t) for t in inputs), scalars)
     if cache is None or key not in cache:
         with fake_mode:
-            outputs = op(*inputs, eps, final_val.dtype)
+            outputs = op(*inputs, *scalars)
         if cache is None:
-            return outputs
+            cache = {}
         cache[key] = outputs
-    y, *stats = cache[key]
-    if _signature(final_val) == _signature(y):
-        y = final_val
-    else:
-        with fake_mode:
-            y = torch.empty_strided(y.shape, y.stride(), dtype=y.dtype, device=y.device)
-    return (y, *stats)
+    outputs = list(cache[key])
+    for i, final_val in enumerate(finals):
+        out = outputs[i]
+        if _signature(final_val) == _signature(out):
+            outputs[i] = final_val
+        else:
+            with fake_mode:
+                outputs[i] = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
+    return tuple(outputs)
 
 
 # --- the pattern of one norm→modulate op ---------------------------------------------------------
@@ -382,37 +390,48 @@ class NormModulatePattern:
         site = norm_site(gm, node)
         if site is None or site.family != self.family:
             return None
-        chains, tree, outside = chains_of(site)
-        if not chains:
-            return None
-        for chain in chains:
-            chain.leftovers = [*chain.leftovers, *reversed(tree[1:])]
-        reason = None
-        if fake_value(site.output) is None:
-            reason = NO_METADATA
-        elif outside:
-            reason = f"normalised tensor also feeds `{outside[0].name}` outside the chain"
-        return Match(chains, reason)
+        chains, reason = site_chains(site)
+        return Match(chains, reason) if chains else None
 
     # --- check ---
 
     def check(self, chain: Chain, fake_cache: Optional[dict] = None) -> Verdict:
         """Decide whether ``chain`` may be replaced by the fused op, before anything is mutated.
 
+        Rejects (with the reason): what :meth:`check_chain` rejects, and inputs the op's fake
+        kernel refuses.
+
+        ``fake_cache`` (a dict kept for one pass) lets chains with the same input signature share
+        one run of the op's fake kernel (see :func:`fake_outputs`).
+        """
+        verdict, values = self.check_chain(chain)
+        if verdict.reason is not None:
+            return verdict
+        inputs = self.tensor_args(values.x, values.weight, values.bias, values.scale, values.shift)
+        try:
+            verdict.fake_outputs = fake_outputs(self.op, values.fake_mode, inputs, (verdict.eps, values.final.dtype),
+                                                (values.final,), fake_cache)
+        except (ValueError, RuntimeError) as err:
+            verdict.reason = f"the fused op rejects the inputs: {err}"
+        return verdict
+
+    def check_chain(self, chain: Chain) -> tuple[Verdict, Optional["ChainValues"]]:
+        """Every rule of :meth:`check` but the op's fake kernel, and the fake values it read.
+
         Rejects (with the reason): a norm that only looks like one (``NormSite.rejection``); a
         rejection fixed by the matcher; an intermediate node with a user outside the chain; missing
         fake values; a norm over more than the last dim; a computed eps; non-floating tensors;
         weight/bias not [D]; a modulation whose layout is not per-sample, per-token or shared over x
-        (``modulation_layout``); a result whose shape or device is not x's; inputs the op's fake
-        kernel refuses.
+        (``modulation_layout``); a result whose shape or device is not x's. A chain without scale
+        (:func:`plain_norm_chain`) has the layout "no modulation".
 
-        ``fake_cache`` (a dict kept for one pass) lets chains with the same input signature share
-        one run of the op's fake kernel (see :func:`_fake_outputs`).
+        Returns:
+            ``(verdict, values)``: ``values`` None when the verdict rejects the chain.
         """
         site = chain.site
         for reason in (site.rejection, chain.rejection, _outside_user(chain)):
             if reason is not None:
-                return Verdict(reason)
+                return Verdict(reason), None
         absorbed: list[Node] = []
         x = _strip(site.input, absorbed)
         weight, bias = _strip(site.weight, absorbed), _strip(site.bias, absorbed)
@@ -421,47 +440,39 @@ class NormModulatePattern:
         scale_val = fake_value(chain.scale if chain.scale_view is None else chain.scale_view)
         shift_val = fake_value(chain.shift)
         fake_mode = getattr(x_val, "fake_mode", None)
-        if fake_mode is None or final_val is None or scale_val is None or (chain.shift is not None and shift_val is None):
-            return Verdict(NO_METADATA)
+        if (fake_mode is None or final_val is None or (chain.scale is not None and scale_val is None)
+                or (chain.shift is not None and shift_val is None)):
+            return Verdict(NO_METADATA), None
         weight_val, bias_val = _param_value(weight, fake_mode), _param_value(bias, fake_mode)
         verdict = Verdict(None, x=x, weight=weight, bias=bias, absorbed=absorbed)
         verdict.reason = self._norm_reason(site, x_val, weight_val, bias_val, verdict)
         if verdict.reason is not None:
-            return verdict
+            return verdict, None
         x_dims = static_dims(x_val.shape)
         layouts = {}
         for name, val in (("scale", scale_val), ("shift", shift_val)):
             if val is None:
                 continue
-            if not is_floating(val):
-                verdict.reason = f"{_describe(name, val)} is not floating point"
-                return verdict
-            try:
-                layouts[name] = modulation_layout(static_dims(val.shape), x_dims)
-            except ValueError as err:
-                verdict.reason = f"{name}: {err}"
-                return verdict
-        verdict.layout = _layout_text(layouts["scale"], layouts.get("shift"))
+            verdict.reason = _mod_reason(name, val, x_dims, layouts)
+            if verdict.reason is not None:
+                return verdict, None
+        verdict.layout = _layout_text(layouts["scale"], layouts.get("shift")) if layouts else "no modulation"
         if not is_floating(final_val) or static_dims(final_val.shape) != x_dims:
-            verdict.reason = f"result {_describe('y', final_val)} does not have the shape of {_describe('x', x_val)}"
-            return verdict
-        devices = {device_of(t) for t in (x_val, final_val, scale_val, shift_val, weight_val, bias_val) if t is not None}
+            verdict.reason = (f"result {describe_fake('y', final_val)} does not have the shape of "
+                              f"{describe_fake('x', x_val)}")
+            return verdict, None
+        devices = {device_of(t) for t in (x_val, final_val, scale_val, shift_val, weight_val, bias_val)
+                   if t is not None}
         if len(devices) != 1:
             verdict.reason = f"tensors on several devices {sorted(map(str, devices))}"
-            return verdict
-        try:
-            verdict.fake_outputs = _fake_outputs(
-                self.op, fake_mode, self._tensor_args(x_val, weight_val, bias_val, scale_val, shift_val),
-                verdict.eps, final_val, fake_cache)
-        except (ValueError, RuntimeError) as err:
-            verdict.reason = f"the fused op rejects the inputs: {err}"
-        return verdict
+            return verdict, None
+        return verdict, ChainValues(fake_mode, x_val, weight_val, bias_val, scale_val, shift_val, final_val)
 
     def _norm_reason(self, site: NormSite, x_val, weight_val, bias_val, verdict: Verdict) -> Optional[str]:
         """Why the norm itself cannot be the op's (None if it can); sets ``verdict.eps``."""
         x_dims, norm = static_dims(x_val.shape), _FAMILY_NAMES[site.family]
         if not is_floating(x_val) or len(x_dims) < 2:
-            return f"input {_describe('x', x_val)} is not a floating tensor of at least 2 dims"
+            return f"input {describe_fake('x', x_val)} is not a floating tensor of at least 2 dims"
         norm_dims = _normalized_dims(site.normalized_shape)
         if norm_dims is None:
             return "normalized_shape is computed in the graph"
@@ -477,10 +488,11 @@ class NormModulatePattern:
             return f"{norm} has a bias, which {self.name} does not take"
         for name, val in (("weight", weight_val), ("bias", bias_val)):
             if val is not None and (not is_floating(val) or static_dims(val.shape) != x_dims[-1:]):
-                return f"{norm} {_describe(name, val)} is not a floating [{x_dims[-1]}] tensor"
+                return f"{norm} {describe_fake(name, val)} is not a floating [{x_dims[-1]}] tensor"
         return None
 
-    def _tensor_args(self, x, weight, bias, scale, shift) -> tuple:
+    def tensor_args(self, x, weight, bias, scale, shift) -> tuple:
+        """The op's tensor arguments in its order: the bias only if the op takes one."""
         return (x, weight, bias, scale, shift) if self.has_bias else (x, weight, scale, shift)
 
     # --- replace ---
@@ -491,51 +503,128 @@ class NormModulatePattern:
         ``replaced`` maps final nodes already replaced in this graph to their replacement (a chain's
         input may be an earlier chain's final node); it is updated. Returns the new getitem node.
         """
-        graph, final = gm.graph, chain.final
-        site, (y_val, *stat_vals) = chain.site, verdict.fake_outputs
-        fake_mode = fake_value(final).fake_mode
-
-        def operand(value: Any, as_written: Any = None) -> Any:
-            if isinstance(value, ParamRef):
-                node = graph.get_attr(value.qualname)
-                node.meta["val"] = fake_mode.from_tensor(value.tensor, static_shapes=True)
-                return node
-            if isinstance(value, Node) and value._erased:
-                # the upcasts stripped from x led into a chain rewritten before: use the cast's result,
-                # i.e. that chain's replacement (the same values the norm read)
-                value = as_written
-            while value in replaced:
-                value = replaced[value]
-            return value
-
+        graph, final, site = gm.graph, chain.final, chain.site
         with graph.inserting_before(final):
-            scale = operand(chain.scale)
-            if chain.scale_view is not None:  # (1 + scale)[:, None]: the same view, of scale
-                one_plus, scale_source = chain.scale_view.args[0], scale
-                scale = graph.node_copy(chain.scale_view, lambda n: scale_source if n is one_plus else n)
-                _set_fake_value(scale, _fake_eval(scale, fake_mode))
-            args = self._tensor_args(operand(verdict.x, site.input), operand(verdict.weight, site.weight),
-                                     operand(verdict.bias, site.bias), scale, operand(chain.shift))
-            fused = graph.call_function(self.op, (*args, verdict.eps, fake_value(final).dtype))
-            out = graph.call_function(operator.getitem, (fused, 0))
-        for key in _META_KEYS:
-            if key in final.meta:
-                fused.meta[key] = (y_val, *stat_vals)
-                out.meta[key] = y_val
-        if "tensor_meta" in final.meta:
-            from torch.fx.passes.shape_prop import _extract_tensor_metadata
-
-            out.meta["tensor_meta"] = _extract_tensor_metadata(y_val)
-        for key in _COPIED_META:
-            if key in final.meta:
-                fused.meta[key] = out.meta[key] = final.meta[key]
-
-        final.replace_all_uses_with(out)
-        replaced[final] = out
+            x, weight, bias, scale, shift = norm_operands(graph, chain, verdict, replaced)
+            args = (*self.tensor_args(x, weight, bias, scale, shift), verdict.eps, fake_value(final).dtype)
+            (out,) = call_fused(graph, self.op, args, verdict.fake_outputs, (final,), replaced)
         dead = [*chain.nodes, *chain.leftovers, site.output, *site.node.users, site.node, *site.internal,
                 *verdict.absorbed]
-        _erase_unused(graph, dead)
+        erase_unused(graph, dead)
         return out
+
+
+@dataclass
+class ChainValues:
+    """The fake values :meth:`NormModulatePattern.check_chain` read: the op's tensor inputs as it will
+    get them (None for absent ones), the final node's value, and their fake mode."""
+
+    fake_mode: Any
+    x: torch.Tensor
+    weight: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    scale: Optional[torch.Tensor]
+    shift: Optional[torch.Tensor]
+    final: torch.Tensor
+
+
+def _mod_reason(name: str, val: torch.Tensor, x_dims: list, layouts: dict) -> Optional[str]:
+    """Why the modulation tensor ``val`` cannot be passed to the op for x of ``x_dims`` (None if it
+    can: ``layouts[name]`` gets its layout)."""
+    if not is_floating(val):
+        return f"{describe_fake(name, val)} is not floating point"
+    try:
+        layouts[name] = modulation_layout(static_dims(val.shape), x_dims)
+    except ValueError as err:
+        return f"{name}: {err}"
+    return None
+
+
+def site_chains(site: NormSite) -> tuple[list[Chain], Optional[str]]:
+    """The chains starting from ``site``'s normalised tensor (:func:`chains_of`; the norm tree's casts
+    join each chain's leftovers) and the reason that rejects them all: the normalised tensor also
+    feeds a node outside every chain, or the graph has no fake values (None if neither)."""
+    chains, tree, outside = chains_of(site)
+    for chain in chains:
+        chain.leftovers = [*chain.leftovers, *reversed(tree[1:])]
+    reason = None
+    if fake_value(site.output) is None:
+        reason = NO_METADATA
+    elif outside:
+        reason = f"normalised tensor also feeds `{outside[0].name}` outside the chain"
+    return chains, reason
+
+
+def plain_norm_chain(site: NormSite) -> Chain:
+    """The "chain" of a norm without modulation: its output and the dtype casts after it that the
+    op takes in (as :func:`_with_tail` takes them), the last one the final node; every user of that
+    node reads the op's output. Fused only behind a residual prologue (Wan's cross-attention
+    ``norm2``)."""
+    return Chain("norm", site.output, _with_tail([site.output]), None, None, site=site)
+
+
+def norm_operands(graph: torch.fx.Graph, chain: Chain, verdict: Verdict, replaced: dict[Node, Node]) -> tuple:
+    """The graph nodes to pass as the op's ``(x, weight, bias, scale, shift)`` (None for absent ones),
+    created at the graph's current insertion point where needed: a ``get_attr`` for a module's
+    parameter, and ``scale`` under the chain's view when the graph wrote ``(1 + scale)[:, None]``.
+    A node already replaced (``replaced``) is passed as its replacement."""
+    site = chain.site
+    fake_mode = fake_value(chain.final).fake_mode
+
+    def operand(value: Any, as_written: Any = None) -> Any:
+        if isinstance(value, ParamRef):
+            node = graph.get_attr(value.qualname)
+            node.meta["val"] = fake_mode.from_tensor(value.tensor, static_shapes=True)
+            return node
+        if isinstance(value, Node) and value._erased:
+            # the upcasts stripped from x led into a chain rewritten before: use the cast's result,
+            # i.e. that chain's replacement (the same values the norm read)
+            value = as_written
+        return graph_value(value, replaced)
+
+    scale = operand(chain.scale)
+    if chain.scale_view is not None:  # (1 + scale)[:, None]: the same view, of scale
+        one_plus, scale_source = chain.scale_view.args[0], scale
+        scale = graph.node_copy(chain.scale_view, lambda n: scale_source if n is one_plus else n)
+        _set_fake_value(scale, _fake_eval(scale, fake_mode))
+    return (operand(verdict.x, site.input), operand(verdict.weight, site.weight), operand(verdict.bias, site.bias),
+            scale, operand(chain.shift))
+
+
+def graph_value(value: Any, replaced: dict[Node, Node]) -> Any:
+    """``value``, or the node that replaced it (``replaced``, followed to its end)."""
+    while value in replaced:
+        value = replaced[value]
+    return value
+
+
+def call_fused(graph: torch.fx.Graph, op: Any, args: tuple, outputs: tuple, finals: tuple,
+               replaced: dict[Node, Node]) -> list[Node]:
+    """Insert ``op(*args)`` and one ``getitem(op, i)`` per node of ``finals`` at the graph's insertion
+    point; the uses of ``finals[i]`` go to the i-th getitem (``replaced`` records it). ``outputs``
+    are the op's fake outputs; the call and the getitems get them, and the stack trace and module
+    stack of the last final node. Returns the getitem nodes."""
+    fused = graph.call_function(op, args)
+    outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(finals))]
+    last = finals[-1]
+    for key in _META_KEYS:
+        if key in last.meta:
+            fused.meta[key] = tuple(outputs)
+            for i, out in enumerate(outs):
+                out.meta[key] = outputs[i]
+    if "tensor_meta" in last.meta:
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+        for i, out in enumerate(outs):
+            out.meta["tensor_meta"] = _extract_tensor_metadata(outputs[i])
+    for key in _COPIED_META:
+        if key in last.meta:
+            for node in (fused, *outs):
+                node.meta[key] = last.meta[key]
+    for final, out in zip(finals, outs):
+        final.replace_all_uses_with(out)
+        replaced[final] = out
+    return outs
 
 
 def chains_of(site: NormSite) -> tuple[list[Chain], list[Node], list[Node]]:
@@ -578,7 +667,7 @@ def _set_fake_value(node: Node, value: Any) -> None:
             node.meta[key] = value
 
 
-def _erase_unused(graph: torch.fx.Graph, candidates: list) -> None:
+def erase_unused(graph: torch.fx.Graph, candidates: list) -> None:
     """Erase each candidate node of ``graph`` that no longer has users (latest first, so that a node
     whose only users are candidates goes too); nothing else."""
     nodes = {n for n in candidates if isinstance(n, Node) and n.graph is graph}

@@ -6,15 +6,21 @@
 
 The pass (:func:`adaptiveload.fxfuse.fuse_adaln`) visits every node of every graph; on each it tries
 the registered patterns in registration order, and the first whose ``match`` returns a non-empty
-:class:`Match` claims the node. Every match of a graph is checked before the first mutation; then
-each accepted candidate is replaced. A pattern's functions:
+:class:`Match` claims the node -- unless the pattern was registered with ``falls_through=True`` and
+rejects the match (its reason, or a candidate's check): then the node goes on to the next patterns,
+and the rejection is recorded in the report's ``deferred`` list (a more specific pattern ahead of a
+general one, e.g. the residual norm site ahead of the plain norm→modulate site). Every match of a
+graph is checked before the first mutation; then each accepted candidate is replaced. A pattern's
+functions:
 
 ``match(gm, node) -> Optional[Match]``
     Structure only, no mutation. Each candidate of the match must have the attributes
     ``anchor`` (the node the pattern starts from, e.g. the norm call: its name goes into the
     report), ``final`` (the node whose value the fused op replaces: its source line goes into the
     report), ``norm`` (str: how the anchor was written, e.g. "F.rms_norm"), ``affine`` (bool) and
-    ``variant`` (str: the form matched, e.g. "norm*(1+scale)+shift").
+    ``variant`` (str: the form matched, e.g. "norm*(1+scale)+shift"); optionally ``nodes``, the
+    nodes its replacement rewrites: a candidate whose ``nodes`` meet those of a candidate accepted
+    before it in the graph is rejected ("overlaps ..."), so no node is rewritten twice.
 ``check(candidate, cache) -> verdict``
     Decides, before anything is mutated, whether the candidate may be replaced; the verdict has
     ``reason`` (None: fuse it; else why it is left alone) and ``layout`` (str, for the report).
@@ -31,7 +37,8 @@ match's own ``reason`` rejects all of them, and a candidate that fails its check
 with "shares its norm with a chain that is not fused (<its reason>)".
 
 Counters: the pass adds its totals to ``torch._dynamo.utils.counters["adaptiveload"]`` under "seen",
-"fused" and "skipped", and each pattern's under "<name>.seen", "<name>.fused", "<name>.skipped".
+"fused", "skipped" and "deferred", and each pattern's under "<name>.seen", "<name>.fused",
+"<name>.skipped", "<name>.deferred".
 """
 from __future__ import annotations
 
@@ -42,8 +49,11 @@ from typing import Any, Callable, Optional
 
 from torch.fx import GraphModule, Node
 
-#: The built-in patterns, in the order they are tried: module paths that register one each on import.
-BUILTIN_MODULES = ("adaptiveload.ops.adaln_modulate.pattern", "adaptiveload.ops.rms_norm_modulate.pattern")
+#: The built-in patterns, in the order they are tried: module paths that register patterns on import.
+#: The residual norm sites come first (they fall through to the plain norm→modulate patterns where
+#: they do not apply).
+BUILTIN_MODULES = ("adaptiveload.ops.residual_norm_modulate.pattern", "adaptiveload.ops.adaln_modulate.pattern",
+                   "adaptiveload.ops.rms_norm_modulate.pattern")
 
 
 @dataclass
@@ -68,6 +78,7 @@ class Pattern:
     match: Callable[[GraphModule, Node], Optional[Match]]
     check: Callable[[Any, dict], Any]
     replace: Callable[[GraphModule, Any, Any, dict], Node]
+    falls_through: bool = False
 
 
 _patterns: dict[str, Pattern] = {}
@@ -80,13 +91,14 @@ def _valid_name(name: Any) -> bool:
 
 
 def register_pattern(name: str, match: Callable, check: Callable, replace: Callable, *,
-                     replace_existing: bool = False) -> Pattern:
+                     falls_through: bool = False, replace_existing: bool = False) -> Pattern:
     """Register a pattern with the fusion pass; later compiles apply it.
 
     Args:
         name: an identifier, unique among the registered patterns; it names the counters
             ("<name>.fused", ...) and the report's pattern column.
         match, check, replace: the pattern's functions (see the module doc).
+        falls_through: a match it rejects leaves the node to the patterns after it (module doc).
         replace_existing: replace a pattern registered under ``name`` (keeping its place in the
             order) instead of raising.
 
@@ -102,7 +114,7 @@ def register_pattern(name: str, match: Callable, check: Callable, replace: Calla
     for what, fn in (("match", match), ("check", check), ("replace", replace)):
         if not callable(fn):
             raise TypeError(f"register_pattern({name!r}): {what} must be callable, got {type(fn).__name__}")
-    pattern = Pattern(name, match, check, replace)
+    pattern = Pattern(name, match, check, replace, bool(falls_through))
     _load_builtins()
     with _lock:
         if name in _patterns and not replace_existing:

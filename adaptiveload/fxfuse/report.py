@@ -49,9 +49,18 @@ class ChainRecord:
 
 @dataclass
 class FusionReport:
-    """Every chain one run of :func:`adaptiveload.fxfuse.fuse_adaln` saw, in graph order."""
+    """Every chain one run of :func:`adaptiveload.fxfuse.fuse_adaln` saw, in graph order.
+
+    Attributes:
+        chains: the chains a pattern claimed, fused or skipped (what ``seen``, ``fused`` and
+            ``skipped`` count).
+        deferred: matches of a pattern registered ``falls_through`` that it rejected (each record's
+            reason says why), so that the node went on to the next patterns; their chains, if any
+            pattern claimed them, are also in ``chains``.
+    """
 
     chains: list[ChainRecord] = field(default_factory=list)
+    deferred: list[ChainRecord] = field(default_factory=list)
 
     @property
     def seen(self) -> int:
@@ -66,31 +75,39 @@ class FusionReport:
         return self.seen - self.fused
 
     def patterns(self) -> list[str]:
-        """The names of the patterns that matched a chain, in order of first appearance."""
-        return list(dict.fromkeys(c.pattern for c in self.chains))
+        """The names of the patterns that matched a chain (or deferred one), in order of first appearance."""
+        return list(dict.fromkeys(c.pattern for c in [*self.chains, *self.deferred]))
 
     def of_pattern(self, name: str) -> "FusionReport":
-        """The report of the chains pattern ``name`` matched."""
-        return FusionReport([c for c in self.chains if c.pattern == name])
+        """The report of the chains pattern ``name`` matched (and deferred)."""
+        return FusionReport([c for c in self.chains if c.pattern == name],
+                            [c for c in self.deferred if c.pattern == name])
 
     def skip_reasons(self) -> Counter:
         """How many chains were left alone for each reason."""
         return Counter(c.reason for c in self.chains if not c.fused)
 
     def summary(self) -> str:
-        """One line: "fused N chains (M seen, K skipped: reasons)", then per pattern "[name: fused/seen, ...]"."""
+        """One line: "fused N chains (M seen, K skipped: reasons)", then per pattern "[name: fused/seen, ...]",
+        then, if any, "; D deferred to the next pattern: reasons"."""
         text = f"fused {self.fused} chains ({self.seen} seen, {self.skipped} skipped"
         reasons = self.skip_reasons()
         if reasons:
             text += ": " + "; ".join(f"{n}× {reason}" for reason, n in reasons.most_common())
         text += ")"
         if self.chains:
-            parts = (f"{name} {part.fused}/{part.seen}" for name in self.patterns() for part in [self.of_pattern(name)])
+            parts = (f"{name} {part.fused}/{part.seen}" for name in self.patterns()
+                     for part in [self.of_pattern(name)] if part.seen)
             text += " [fused/seen: " + ", ".join(parts) + "]"
+        if self.deferred:
+            deferred = Counter(f"{c.pattern}: {c.reason}" for c in self.deferred)
+            text += f"; {len(self.deferred)} deferred to the next pattern: " + "; ".join(
+                f"{n}× {reason}" for reason, n in deferred.most_common())
         return text
 
     def table(self) -> str:
-        """A fixed-width table, one row per chain, then the summary line."""
+        """A fixed-width table, one row per chain, then one per deferred match ("d0", ...), then the
+        summary line."""
         header = ("#", "pattern", "location", "source", "norm", "variant", "modulation", "status")
         rows = [
             (
@@ -104,6 +121,10 @@ class FusionReport:
                 "fused" if c.fused else f"skipped: {c.reason}",
             )
             for i, c in enumerate(self.chains)
+        ] + [
+            (f"d{i}", c.pattern, c.location, c.source or "-", c.norm + (" (affine)" if c.affine else ""), c.variant,
+             c.layout, f"deferred: {c.reason}")
+            for i, c in enumerate(self.deferred)
         ]
         widths = [max(len(r[k]) for r in rows + [header]) for k in range(len(header) - 1)]
         lines = []

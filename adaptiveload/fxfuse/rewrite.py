@@ -6,9 +6,11 @@ Pattern, check, replace, count (the structure of Inductor's ``efficient_conv_bn_
 
 1. visit every node of the graph and, recursively, of the subgraphs of higher-order ops (activation
    checkpointing's ``tag_activation_checkpoint`` above all); the first pattern whose ``match``
-   returns candidates there claims the node (``registry.patterns()``, in registration order);
+   returns candidates there claims the node (``registry.patterns()``, in registration order), but
+   a pattern registered ``falls_through`` only when it accepts them;
 2. ``check`` each candidate -- every decision is taken before anything is mutated; a match's
-   candidates are fused together or not at all;
+   candidates are fused together or not at all, and not where they overlap a candidate accepted
+   earlier in the graph;
 3. ``replace`` each accepted candidate (its final node's uses go to the fused op's output, the nodes
    this orphaned are erased) and recompile;
 4. count: once every graph is rewritten, add the pass's graph and chain counts to
@@ -43,9 +45,9 @@ def fuse_adaln(gm: GraphModule, example_inputs: Optional[Sequence[Any]] = None) 
 
     Every chain is matched and checked before the first mutation, so a chain is either fully
     rewritten or not touched. Once the rewrite is done, ``torch._dynamo.utils.counters["adaptiveload"]``
-    gets 1 added to "graphs", the report's counts to "seen", "fused" and "skipped", and each
-    pattern's to "<pattern>.seen", "<pattern>.fused", "<pattern>.skipped" (nothing when the rewrite
-    raised).
+    gets 1 added to "graphs", the report's counts to "seen", "fused", "skipped" and "deferred", and
+    each pattern's to "<pattern>.seen", "<pattern>.fused", "<pattern>.skipped", "<pattern>.deferred"
+    (nothing when the rewrite raised).
 
     Fake values are computed without autograd: recording it would run the caller's saved-tensor
     hooks, and activation checkpointing counts what they see, so a graph compiled inside a
@@ -61,10 +63,10 @@ def _fuse(gm: GraphModule, example_inputs: Optional[Sequence[Any]]) -> FusionRep
     plan = []  # (graph module, [(pattern, candidate, verdict, record)])
     cache: dict = {}
     active = patterns()
-    for name, sub in _graphs(gm):
-        plan.append((sub, _collect(name, sub, active, cache)))
-
     report = FusionReport()
+    for name, sub in _graphs(gm):
+        plan.append((sub, _collect(name, sub, active, cache, report.deferred)))
+
     for sub, found in plan:
         replaced: dict[Node, Node] = {}
         for pattern, candidate, verdict, record in found:
@@ -79,6 +81,7 @@ def _fuse(gm: GraphModule, example_inputs: Optional[Sequence[Any]]) -> FusionRep
         counters[prefix + "seen"] += part.seen
         counters[prefix + "fused"] += part.fused
         counters[prefix + "skipped"] += part.skipped
+        counters[prefix + "deferred"] += len(part.deferred)
     return report
 
 
@@ -126,9 +129,12 @@ def _propagate_fake_values(gm: GraphModule, example_inputs: Sequence[Any]) -> No
 # --- pattern + check -----------------------------------------------------------------------------
 
 
-def _collect(graph_name: str, gm: GraphModule, active: tuple[Pattern, ...], cache: dict) -> list[tuple]:
-    """``(pattern, candidate, verdict, record)`` for every candidate of every match in ``gm``."""
+def _collect(graph_name: str, gm: GraphModule, active: tuple[Pattern, ...], cache: dict,
+             deferred: list[ChainRecord]) -> list[tuple]:
+    """``(pattern, candidate, verdict, record)`` for every candidate of every match in ``gm``; the
+    records of matches that fell through to a later pattern go to ``deferred``."""
     found = []
+    claimed: dict[Node, Node] = {}  # node rewritten by an accepted candidate -> that candidate's anchor
     for node in gm.graph.nodes:
         for pattern in active:
             match = pattern.match(gm, node)
@@ -139,12 +145,31 @@ def _collect(graph_name: str, gm: GraphModule, active: tuple[Pattern, ...], cach
             rejected = [v.reason for v in verdicts if v.reason is not None]
             if group_reason is None and rejected:
                 group_reason = f"shares its norm with a chain that is not fused ({rejected[0]})"
+            if group_reason is None:
+                group_reason = _overlap(match.candidates, claimed)
+            if group_reason is not None and pattern.falls_through:
+                for candidate, verdict in zip(match.candidates, verdicts):
+                    verdict.reason = verdict.reason or group_reason
+                    deferred.append(_record(graph_name, pattern, candidate, verdict))
+                continue
             for candidate, verdict in zip(match.candidates, verdicts):
                 if group_reason is not None and verdict.reason is None:
                     verdict.reason = group_reason
                 found.append((pattern, candidate, verdict, _record(graph_name, pattern, candidate, verdict)))
+                if verdict.reason is None:
+                    claimed.update((n, candidate.anchor) for n in getattr(candidate, "nodes", ()))
             break
     return found
+
+
+def _overlap(candidates: list, claimed: dict[Node, Node]) -> Optional[str]:
+    """Why these candidates may not be fused: a node one of them rewrites is rewritten by a candidate
+    accepted before (None if none is)."""
+    for candidate in candidates:
+        for n in getattr(candidate, "nodes", ()):
+            if n in claimed:
+                return f"`{n.name}` is rewritten by the fused site of `{claimed[n].name}`"
+    return None
 
 
 def _record(graph_name: str, pattern: Pattern, candidate: Any, verdict: Any) -> ChainRecord:

@@ -2,6 +2,8 @@
 
 * ``adaln_modulate/`` -- ``LayerNorm(x) * (1 + scale) + shift``;
 * ``rms_norm_modulate/`` -- ``rms_norm(x) * (1 + scale) [+ shift]``;
+* ``residual_norm_modulate/`` -- ``r = x + gate * y``, then either norm→modulate of r, as one op
+  (``residual_adaln_modulate``, ``residual_rms_norm_modulate``);
 
 each with its schema and registrations, its reference math and its FX pattern; ``common.py`` holds
 what they share, ``extension.py`` builds the ``csrc/`` kernels, and the private ``_tuning.py`` forces
@@ -10,9 +12,12 @@ the kernels' own launch choices for benchmarks and tests.
 from adaptiveload.ops import _tuning
 from adaptiveload.ops.adaln_modulate import adaln_modulate, adaln_modulate_backward
 from adaptiveload.ops.common import modulation_layout
+from adaptiveload.ops.residual_norm_modulate import (residual_adaln_modulate, residual_adaln_modulate_backward,
+                                                     residual_rms_norm_modulate, residual_rms_norm_modulate_backward)
 from adaptiveload.ops.rms_norm_modulate import rms_norm_modulate, rms_norm_modulate_backward
 
 __all__ = ["adaln_modulate", "adaln_modulate_backward", "rms_norm_modulate", "rms_norm_modulate_backward",
-           "modulation_layout"]
+           "residual_adaln_modulate", "residual_adaln_modulate_backward", "residual_rms_norm_modulate",
+           "residual_rms_norm_modulate_backward", "modulation_layout"]
 
 _tuning.warn_removed_variables()  # once, at import: the variables that used to set the kernels' choices

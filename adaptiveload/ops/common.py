@@ -2,19 +2,23 @@
 layouts, devices, dtypes), the per-signature validation cache, the Autograd-key kernel, the
 reference math's helpers, the reader of the user settings, and the CUDA path's kernel selection.
 
-Each op family (``adaln_modulate/``, ``rms_norm_modulate/``) registers its schemas, fake kernels,
-reference and CUDA kernels with the dispatcher directly (``torch.library.Library``) rather than with
+Each op family (``adaln_modulate/``, ``rms_norm_modulate/``, ``residual_norm_modulate/``) registers
+its schemas, fake kernels, reference and CUDA kernels with the dispatcher directly
+(``torch.library.Library``) rather than with
 ``torch.library.custom_op``, whose per-call machinery (argument re-packing, a dataclass, an
 output-aliasing check, extra redispatches) made a forward+backward cost the host about 1.7x the time
 of these registrations (no-op kernels, CPU). The kernels return fresh tensors, never inputs or views
 of them. Eager kernels validate their inputs once per distinct signature of shapes, dtypes, devices
 and scalar arguments (:func:`validate`), fake kernels on every trace.
 
-Conventions shared by the families, which :func:`differentiable` relies on:
+Conventions shared by the norm→modulate families, which :func:`differentiable` relies on:
 
 * forward ``op(x, <tensors>..., float eps, ScalarType out_dtype) -> (y, <per-row statistics>...)``;
 * backward ``op_backward(dy, x, <tensors>..., <statistics>...) -> (dx, d<tensor>...)``, one gradient
   per tensor input in its own shape and dtype, an empty [0] tensor for an absent (None) input.
+
+The residual family (``residual_norm_modulate/``), whose op has two differentiable outputs, builds
+its autograd kernel from :func:`autograd_kernel` and :func:`first_derivative_only`.
 """
 from __future__ import annotations
 
@@ -80,32 +84,41 @@ def modulation_layout(mod_shape, x_shape) -> str:
 
 
 def check_common(op: str, x: Tensor, params: dict, mods: dict, out_dtype: torch.dtype,
-                 eps: Optional[float]) -> None:
-    """The checks every norm→modulate op makes: ``scale`` given, ``eps`` >= 0 (None: not checked),
-    x of 2+ dims, a floating ``out_dtype``, every tensor floating and on x's device, each of
-    ``params`` (the norm's affine parameters) of shape [D], each of ``mods`` (scale, shift) of a
-    :func:`modulation_layout` over x.
+                 eps: Optional[float], *, full: Optional[dict] = None, scale_optional: bool = False,
+                 x_name: str = "x") -> None:
+    """The checks every norm→modulate op makes: ``scale`` given (with ``scale_optional``: a ``shift``
+    needs a scale), ``eps`` >= 0 (None: not checked), x of 2+ dims, a floating ``out_dtype``, every
+    tensor floating and on x's device, each of ``full`` of x's shape, each of ``params`` (the norm's
+    affine parameters) of shape [D], each of ``mods`` (scale, shift, a residual's gate) of a
+    :func:`modulation_layout` over x. ``x_name``: what the messages call x.
 
     Raises:
         ValueError: naming the offending tensor and its shape (or device), or the bad eps / out_dtype.
     """
     if mods.get("scale") is None:
-        raise ValueError(f"{op}: scale is required ([B, 1, D], [B, N, D] or [D]; zeros for a shift only)")
+        if not scale_optional:
+            raise ValueError(f"{op}: scale is required ([B, 1, D], [B, N, D] or [D]; zeros for a shift only)")
+        if mods.get("shift") is not None:
+            raise ValueError(f"{op}: shift is given without scale (pass zeros for scale: a shift only)")
     if eps is not None and not eps >= 0:  # also NaN
         raise ValueError(f"{op}: eps must be a non-negative number, got {eps}")
     if x.dim() < 2:
-        raise ValueError(f"{op}: {describe('x', x)} must have at least 2 dims [B, ..., D]")
+        raise ValueError(f"{op}: {describe(x_name, x)} must have at least 2 dims [B, ..., D]")
     if out_dtype not in FLOATING:
         raise ValueError(f"{op}: out_dtype must be a floating dtype, got {out_dtype}")
     D = x.shape[-1]
-    named = {"x": x, **params, **mods}
+    full = full or {}
+    named = {x_name: x, **full, **params, **mods}
     for name, t in named.items():
         if t is not None and t.dtype not in FLOATING:
             raise ValueError(f"{op}: {describe(name, t)} must be floating point")
     check_devices(op, x, named)
+    for name, t in full.items():
+        if t is not None and t.shape != x.shape:
+            raise ValueError(f"{op}: {describe(name, t)} must have the shape of {x_name} {list(x.shape)}")
     for name, t in params.items():
         if t is not None and list(t.shape) != [D]:
-            raise ValueError(f"{op}: {describe(name, t)} must have shape [{D}] (the last dim of x)")
+            raise ValueError(f"{op}: {describe(name, t)} must have shape [{D}] (the last dim of {x_name})")
     for name, t in mods.items():
         if t is None:
             continue
@@ -115,16 +128,19 @@ def check_common(op: str, x: Tensor, params: dict, mods: dict, out_dtype: torch.
             raise ValueError(f"{op}: {describe(name, t)}: {err}") from None
 
 
-def check_backward_common(op: str, dy: Tensor, x: Tensor, stats: dict) -> None:
-    """dy floating of x's shape, each of ``stats`` floating with one value per row of x, all on x's
-    device. Raises ``ValueError`` naming the offending tensor and its shape."""
-    check_devices(op, x, {"dy": dy, **stats})
-    if dy.shape != x.shape or dy.dtype not in FLOATING:
-        raise ValueError(f"{op}: {describe('dy', dy)} must be floating point of x's shape {list(x.shape)}")
+def check_backward_common(op: str, x: Tensor, grads: dict, stats: dict, x_name: str = "x") -> None:
+    """Each of ``grads`` (the incoming gradients, None skipped) floating of x's shape, each of
+    ``stats`` floating with one value per row of x, all on x's device. ``x_name``: what the messages
+    call x. Raises ``ValueError`` naming the offending tensor and its shape."""
+    check_devices(op, x, {**grads, **stats})
+    for name, g in grads.items():
+        if g is not None and (g.shape != x.shape or g.dtype not in FLOATING):
+            raise ValueError(f"{op}: {describe(name, g)} must be floating point of {x_name}'s shape "
+                             f"{list(x.shape)}")
     for name, t in stats.items():
         if t.shape != x.shape[:-1] or t.dtype not in FLOATING:
             raise ValueError(f"{op}: {describe(name, t)} must be floating point of shape "
-                             f"{list(x.shape[:-1])} (one per row of x)")
+                             f"{list(x.shape[:-1])} (one per row of {x_name})")
 
 
 _VALIDATED: dict = {}  # signature (check, others, shapes, dtypes, devices) -> what its check returned
@@ -184,19 +200,26 @@ def output(t: Tensor, dtype: torch.dtype, copy: bool = False) -> Tensor:
     return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format).copy_(t)
 
 
-def modulate(n: Tensor, scale: Tensor, shift: Optional[Tensor]) -> Tensor:
-    """``n * (1 + scale) [+ shift]`` in n's dtype."""
+def modulate(n: Tensor, scale: Optional[Tensor], shift: Optional[Tensor]) -> Tensor:
+    """``n * (1 + scale) [+ shift]`` in n's dtype; ``n`` itself without scale (and then no shift)."""
+    if scale is None:
+        return n
     y = n * (1 + scale.to(n.dtype))
     return y if shift is None else y + shift.to(n.dtype)
 
 
-def modulation_grads(dyf: Tensor, n: Tensor, scale: Tensor, shift: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
-    """``(dscale, dshift)`` of ``n * (1 + scale) + shift`` from dy (in the compute dtype): summed over
-    the dims where each broadcasts, in its own dtype, contiguous, never aliasing dy."""
+def modulation_grads(dyf: Tensor, n: Tensor, scale: Optional[Tensor],
+                     shift: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """``(dn, dscale, dshift)``: the gradients of :func:`modulate` ``(n, scale, shift)`` from dy (all
+    in the compute dtype). dn = dy * (1 + scale) in the compute dtype (dy itself without scale);
+    dscale and dshift summed over the dims where each broadcasts, in its own dtype, contiguous,
+    never aliasing dy (None for an absent one)."""
+    if scale is None:
+        return dyf, None, None
     # copy=True: for per-token shift the sum is dy itself, and an op output must not alias an input
     dshift = None if shift is None else output(dyf.sum_to_size(shift.shape), shift.dtype, copy=True)
     dscale = output((dyf * n).sum_to_size(scale.shape), scale.dtype)
-    return dscale, dshift
+    return dyf * (1 + scale.to(dyf.dtype)), dscale, dshift
 
 
 # --- registration -------------------------------------------------------------------------------
@@ -218,9 +241,9 @@ def define(forward_schema: str, backward_schema: str) -> torch.library.Library:
 # redispatches below Autograd exactly as the no-grad path does.
 
 
-def _autograd_kernel(op: torch._ops.OpOverload, function: type[torch.autograd.Function]) -> Callable:
-    """The Autograd-key kernel of ``op``: ``function`` when grad mode is on and an input requires
-    grad, else ``op`` below Autograd."""
+def autograd_kernel(op: torch._ops.OpOverload, function: type[torch.autograd.Function]) -> Callable:
+    """The Autograd-key kernel of ``op`` (register it ``with_keyset=True``): ``function.apply(keyset,
+    *args)`` when grad mode is on and an input requires grad, else ``op`` below Autograd."""
     after_autograd = torch._C._after_autograd_keyset
 
     def kernel(keyset, *args):
@@ -237,7 +260,7 @@ def differentiable(lib: torch.library.Library, name: str, n_tensors: int) -> Non
     """Register the Autograd kernels of ``name`` and ``name_backward`` (the conventions of the
     module doc): the forward saves its ``n_tensors`` tensor inputs and its statistics outputs (which
     are non-differentiable) and its backward calls ``name_backward``, keeping the gradients of the
-    inputs that need one; ``name_backward`` has no derivative (first derivatives only)."""
+    inputs that need one; ``name_backward`` has no derivative (:func:`first_derivative_only`)."""
     forward = getattr(torch.ops.adaptiveload, name).default
     backward = getattr(torch.ops.adaptiveload, f"{name}_backward").default
 
@@ -257,6 +280,16 @@ def differentiable(lib: torch.library.Library, name: str, n_tensors: int) -> Non
             extra = len(ctx.needs_input_grad) - 1 - n_tensors  # eps, out_dtype
             return (None, *(g if need else None for g, need in zip(grads, needs)), *([None] * extra))
 
+    Forward.__name__ = f"{name}_function"
+    lib.impl(name, autograd_kernel(forward, Forward), "Autograd", with_keyset=True)
+    first_derivative_only(lib, name)
+
+
+def first_derivative_only(lib: torch.library.Library, name: str) -> None:
+    """Register the Autograd kernel of ``name_backward``: it runs below Autograd, and differentiating
+    its outputs raises ``RuntimeError`` (the ops have first derivatives only, no double backward)."""
+    backward = getattr(torch.ops.adaptiveload, f"{name}_backward").default
+
     class Backward(torch.autograd.Function):
         @staticmethod
         def forward(ctx, keyset, *args):
@@ -268,9 +301,8 @@ def differentiable(lib: torch.library.Library, name: str, n_tensors: int) -> Non
             raise RuntimeError(f"adaptiveload::{name}_backward has no derivative: {name} supports first "
                                "derivatives only (no double backward)")
 
-    Forward.__name__, Backward.__name__ = f"{name}_function", f"{name}_backward_function"
-    lib.impl(name, _autograd_kernel(forward, Forward), "Autograd", with_keyset=True)
-    lib.impl(f"{name}_backward", _autograd_kernel(backward, Backward), "Autograd", with_keyset=True)
+    Backward.__name__ = f"{name}_backward_function"
+    lib.impl(f"{name}_backward", autograd_kernel(backward, Backward), "Autograd", with_keyset=True)
 
 
 # --- user settings ------------------------------------------------------------------------------

@@ -90,17 +90,20 @@ def assert_rel(out, ref, tol, what):
         )
 
 
-def check_op_against_float64(named: dict, op_fn, ref_fn, dy: torch.Tensor, tol: float):
+def check_op_against_float64(named: dict, op_fn, ref_fn, dy, tol: float, names: tuple = ("y",)):
     """Run an op and its float64 reference on the same inputs, forward and backward, and compare.
 
     Args:
         named: the op's tensor inputs by name (None for absent ones); a tensor that is a view (a
             .chunk() of a larger tensor) stays that view of a leaf that requires grad.
-        op_fn: ``op_fn(views) -> (y, *statistics)`` from a dict of the inputs by name.
-        ref_fn: ``ref_fn(views) -> y`` on float64 copies of the inputs (the same views).
-        dy: the incoming gradient of y.
-        tol: relative error bound of y; the gradients get twice it (a sum over many rows rounded once,
-            and dx one more cancellation).
+        op_fn: ``op_fn(views) -> (y, *statistics)`` from a dict of the inputs by name (for an op
+            with several differentiable outputs, ``(y0, y1, ..., *statistics)``).
+        ref_fn: ``ref_fn(views) -> y`` (or the tuple ``(y0, y1, ...)``) on float64 copies of the
+            inputs (the same views).
+        dy: the incoming gradient of y, or a tuple of one per differentiable output.
+        tol: relative error bound of the outputs; the gradients get twice it (a sum over many rows
+            rounded once, and dx one more cancellation).
+        names: what the messages call the differentiable outputs.
 
     Returns:
         ``(outputs, ref_views)``: the op's outputs and the float64 inputs by name, for checks of the
@@ -109,20 +112,23 @@ def check_op_against_float64(named: dict, op_fn, ref_fn, dy: torch.Tensor, tol: 
     Raises:
         AssertionError: a value, shape or dtype that differs.
     """
-    names = [n for n, t in named.items() if t is not None]
-    leaves = [(named[n]._base if named[n]._base is not None else named[n]).requires_grad_(True) for n in names]
+    dys = dy if isinstance(dy, tuple) else (dy,)
+    inputs = [n for n, t in named.items() if t is not None]
+    leaves = [(named[n]._base if named[n]._base is not None else named[n]).requires_grad_(True) for n in inputs]
 
     def rebuild(t, leaf):  # the same view, now of a leaf that requires grad
         return leaf if t._base is None else leaf.as_strided(t.shape, t.stride(), t.storage_offset())
 
-    outputs = op_fn({n: rebuild(named[n], leaf) for n, leaf in zip(names, leaves)})
-    grads = torch.autograd.grad(outputs[0], leaves, dy)
+    outputs = op_fn({n: rebuild(named[n], leaf) for n, leaf in zip(inputs, leaves)})
+    grads = torch.autograd.grad(outputs[:len(dys)], leaves, dys)
     ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
-    ref_views = {n: rebuild(named[n], leaf) for n, leaf in zip(names, ref_leaves)}
-    y_ref = ref_fn(ref_views)
-    ref_grads = torch.autograd.grad(y_ref, ref_leaves, dy.double())
-    assert_rel(outputs[0], y_ref, tol, "y")
-    for name, g, r, leaf in zip(names, grads, ref_grads, leaves):
+    ref_views = {n: rebuild(named[n], leaf) for n, leaf in zip(inputs, ref_leaves)}
+    refs = ref_fn(ref_views)
+    refs = refs if isinstance(refs, tuple) else (refs,)
+    ref_grads = torch.autograd.grad(refs, ref_leaves, [d.double() for d in dys])
+    for name, out, ref in zip(names, outputs, refs):
+        assert_rel(out, ref, tol, name)
+    for name, g, r, leaf in zip(inputs, grads, ref_grads, leaves):
         assert g.shape == leaf.shape and g.dtype == leaf.dtype, f"d{name}: {g.shape}/{g.dtype} vs {leaf.shape}"
         assert_rel(g, r, 2 * tol, f"d{name}")
     return outputs, ref_views

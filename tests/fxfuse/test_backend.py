@@ -180,24 +180,28 @@ def test_options_as_keyword_arguments_and_their_errors(capture):
 
 
 def test_logs_the_summary(caplog):
+    """Block: norm1 reads the input (adaln_modulate), norm2 the residual x + g * proj(...)
+    (residual_adaln_modulate)."""
     with caplog.at_level(logging.INFO, logger="adaptiveload"):
         torch.compile(Block(), backend="adaptiveload", options=AOT_EAGER, fullgraph=True)(*_inputs())
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("adaptiveload")]
-    assert "fused 2 chains (2 seen, 0 skipped) [fused/seen: adaln_modulate 2/2]" in messages
+    assert ("fused 2 chains (2 seen, 0 skipped) [fused/seen: adaln_modulate 1/1, residual_adaln_modulate 1/1]"
+            in messages)
 
 
 def test_a_failing_rewrite_compiles_the_original_graph_and_warns_once(monkeypatch):
     """The failure hits after the first chain was already rewritten: the copy is half rewritten,
-    the inner compiler must still get the untouched original."""
-    (pattern,) = [p for p in registry.patterns() if p.name == "adaln_modulate"]
-    real_replace = pattern.replace
+    the inner compiler must still get the untouched original. (Block's two sites: norm1 by
+    adaln_modulate, then norm2 by residual_adaln_modulate, which fails.)"""
     calls = []
 
-    def replace_then_fail(gm, chain, verdict, replaced):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("injected failure")
-        return real_replace(gm, chain, verdict, replaced)
+    def replace_then_fail(real_replace):
+        def replace(gm, chain, verdict, replaced):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure")
+            return real_replace(gm, chain, verdict, replaced)
+        return replace
 
     seen_by_inner = []
     real_inner = backend_mod._compile_inner
@@ -206,7 +210,10 @@ def test_a_failing_rewrite_compiles_the_original_graph_and_warns_once(monkeypatc
         seen_by_inner.append(gm)
         return real_inner(inner, gm, *args)
 
-    monkeypatch.setitem(registry._patterns, "adaln_modulate", dataclasses.replace(pattern, replace=replace_then_fail))
+    for pattern in registry.patterns():
+        if pattern.name in ("adaln_modulate", "residual_adaln_modulate"):
+            monkeypatch.setitem(registry._patterns, pattern.name,
+                                dataclasses.replace(pattern, replace=replace_then_fail(pattern.replace)))
     monkeypatch.setattr(backend_mod, "_compile_inner", spy_inner)
     monkeypatch.setattr(backend_mod, "_warned", False)
     model = Block()
@@ -220,7 +227,8 @@ def test_a_failing_rewrite_compiles_the_original_graph_and_warns_once(monkeypatc
     assert torch._dynamo.utils.counters["adaptiveload"]["pass_failures"] == failures + 1
     assert _counts() == counts and reports == []  # the chain rewritten before the failure is not counted
     (gm,) = seen_by_inner
-    assert not [n for n in gm.graph.nodes if n.target is torch.ops.adaptiveload.adaln_modulate.default]
+    assert not [n for n in gm.graph.nodes if n.target in (torch.ops.adaptiveload.adaln_modulate.default,
+                                                          torch.ops.adaptiveload.residual_adaln_modulate.default)]
     assert len([n for n in gm.graph.nodes if n.target is F.layer_norm]) == 2
     torch.testing.assert_close(loss, ref_loss)
     for name in ref_grads:

@@ -142,7 +142,9 @@ def test_a_pattern_defined_outside_the_package_is_fused_counted_and_reported(toy
 
 
 def test_builtin_patterns_first_then_registered_ones_in_order(toy_pattern):
-    assert [p.name for p in patterns()] == ["adaln_modulate", "rms_norm_modulate", "toy_tanh_scale"]
+    assert [p.name for p in patterns()] == ["residual_adaln_modulate", "residual_rms_norm_modulate", "adaln_modulate",
+                                            "rms_norm_modulate", "toy_tanh_scale"]
+    assert [p.falls_through for p in patterns()] == [True, True, False, False, False]
 
 
 def test_registration_errors(toy_pattern):
@@ -156,7 +158,7 @@ def test_registration_errors(toy_pattern):
         unregister_pattern("not_registered")
     same_place = register_pattern("adaln_modulate", toy_match, toy_check, toy_replace, replace_existing=True)
     try:
-        assert [p.name for p in patterns()][0] == "adaln_modulate" and patterns()[0] is same_place
+        assert [p.name for p in patterns()][2] == "adaln_modulate" and patterns()[2] is same_place
     finally:
         from adaptiveload.ops.adaln_modulate.pattern import PATTERN
 

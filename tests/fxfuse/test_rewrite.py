@@ -17,6 +17,8 @@ from adaptiveload.fxfuse.modulate import NO_METADATA
 
 D = 16
 FUSED_OP = torch.ops.adaptiveload.adaln_modulate.default
+RESIDUAL_OP = torch.ops.adaptiveload.residual_adaln_modulate.default
+FUSED_OPS = (FUSED_OP, RESIDUAL_OP)
 
 
 class Block(nn.Module):
@@ -38,7 +40,12 @@ class Block(nn.Module):
 
 class Stack(nn.Module):
     """Blocks in sequence (a chain's input is the previous chain's output), optionally checkpointed,
-    and a modulated head whose LayerNorm reads the last block's output directly."""
+    and a modulated head whose LayerNorm reads the last block's output directly.
+
+    Sites of depth d: the first block's norm1 reads the input (adaln_modulate); every norm2, every
+    later norm1 and the head read a residual sum x + g * mlp(h) (residual_adaln_modulate): 1 + 2d.
+    Checkpointed, each norm1 and the head read a checkpoint's input or output instead: d + 1 plain,
+    d residual."""
 
     def __init__(self, depth: int = 2, checkpointed: bool = False, affine: bool = False):
         super().__init__()
@@ -82,7 +89,8 @@ def test_symbolic_trace_with_example_inputs_fuses_call_module_layernorms(affine)
 
     assert report.fused == 5 and report.skipped == 0, report.table()
     assert not _nodes(gm, lambda n: n.op == "call_module" and "norm" in n.target)
-    assert len(_nodes(gm, lambda n: n.target is FUSED_OP)) == 5
+    assert len(_nodes(gm, lambda n: n.target is FUSED_OP)) == 1
+    assert len(_nodes(gm, lambda n: n.target is RESIDUAL_OP)) == 4
     gm.graph.lint()
     torch.testing.assert_close(gm(x, emb), expected, atol=1e-5, rtol=1e-5)
     assert set(gm.state_dict()) == set(model.state_dict())  # the LayerNorm modules and params stay
@@ -121,15 +129,16 @@ def test_dynamo_graph_metadata_is_consistent(capture):
     gm, example_inputs = capture(model, *_inputs())
     work = copy_graph_module(gm)
     fuse_adaln(work)
-    fused = _nodes(work, lambda n: n.target is FUSED_OP)
-    assert len(fused) == 5
+    fused = _nodes(work, lambda n: n.target in FUSED_OPS)
+    assert [n.target for n in fused] == [FUSED_OP] + [RESIDUAL_OP] * 4
     for node in fused:
-        y, mean, rstd = node.meta["example_value"]
+        *outs, mean, rstd = node.meta["example_value"]  # (y, ...) or (r, out, ...)
         x = fake_value(node.args[0])
-        assert y.shape == x.shape and mean.shape == x.shape[:-1] and rstd.dtype == torch.float32
-        assert y.dtype == node.args[-1]
-        (getitem,) = node.users
-        assert getitem.target is operator.getitem and getitem.meta["example_value"] is y
+        assert all(o.shape == x.shape for o in outs) and mean.shape == x.shape[:-1] and rstd.dtype == torch.float32
+        assert [o.dtype for o in outs] == list(node.args[-len(outs):])  # out_dtype (r_dtype, out_dtype)
+        getitems = sorted(node.users, key=lambda n: n.args[1])
+        assert [g.target for g in getitems] == [operator.getitem] * len(outs)
+        assert all(g.meta["example_value"] is o for g, o in zip(getitems, outs))
         assert "stack_trace" in node.meta
     torch.testing.assert_close(work(*example_inputs)[0], model(*_inputs()), atol=1e-5, rtol=1e-5)
 
@@ -140,7 +149,7 @@ def test_float_casts_are_absorbed_and_chains_in_sequence_are_rewired(capture):
     gm, example_inputs = capture(model, *_inputs())
     work = copy_graph_module(gm)
     fuse_adaln(work)
-    fused = _nodes(work, lambda n: n.target is FUSED_OP)
+    fused = _nodes(work, lambda n: n.target in FUSED_OPS)
     assert len(fused) == 5
     # Wan-style chain: x enters the op before .float(); the .type_as after is gone
     assert fused[0].args[0].op == "placeholder"

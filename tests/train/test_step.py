@@ -1,5 +1,6 @@
 """TrainStep: the flow-matching loss, global-sample normalisation (one process and FSDP2 over gloo),
 frozen-weight steps, one compiled graph for every bucket, and model loading errors."""
+import collections
 import contextlib
 import sys
 import textwrap
@@ -7,6 +8,7 @@ import textwrap
 import pytest
 import torch
 from torch import nn
+from torch.profiler import profile
 
 from adaptiveload.train.data import Batch, LatentDataset, collate, synthetic_batch
 from adaptiveload.train.distributed import DistContext
@@ -152,6 +154,40 @@ def test_checkpointed_blocks_compile_inside_the_checkpoint_and_match_eager():
             s.optimizer.zero_grad(set_to_none=True)
 
 
+def test_residual_sites_fold_inside_checkpointed_blocks_and_match_eager():
+    """Regional compile with activation checkpointing on CPU, where the residual ops fuse: in each
+    of the L blocks norm1 is fused by adaln_modulate, and norm2 and norm3 together with the residual
+    update in front of each by residual_adaln_modulate (the FFN residual feeds the next block's norm1
+    across the region boundary; the head runs eagerly). A step runs each forward op twice (the
+    forward, and the backward's recomputation of the checkpointed block) and each backward op once,
+    and its loss and every gradient match the un-checkpointed eager step's."""
+    torch._dynamo.reset()
+    steps = {}
+    for name, backend, checkpointed in (("reference", "eager", False), ("adaptiveload", "adaptiveload", True)):
+        torch.manual_seed(0)
+        model = load_model(preset="tiny")
+        config = StepConfig(backend=backend, inner="aot_eager", learning_rate=1e-3,
+                            activation_checkpointing=checkpointed)
+        steps[name] = TrainStep(model, config, DistContext())
+    L = steps["adaptiveload"].module.config.num_layers
+    batch = synthetic_batch(InputSpec.from_model(steps["reference"].module), 2, (1, 6, 12), seed=2)
+    steps["adaptiveload"].forward_backward(batch, 2)  # compiles
+    for s in steps.values():
+        s.optimizer.zero_grad(set_to_none=True)
+    losses = {"reference": float(steps["reference"].forward_backward(batch, 2))}
+    with profile() as prof:
+        losses["adaptiveload"] = float(steps["adaptiveload"].forward_backward(batch, 2))
+    calls = collections.Counter(e.name for e in prof.events() if e.name.startswith("adaptiveload::"))
+    assert calls == {"adaptiveload::adaln_modulate": 2 * L, "adaptiveload::adaln_modulate_backward": L,
+                     "adaptiveload::residual_adaln_modulate": 2 * 2 * L,
+                     "adaptiveload::residual_adaln_modulate_backward": 2 * L}
+    assert losses["adaptiveload"] == pytest.approx(losses["reference"], rel=1e-5)
+    ref, got = _grads(steps["reference"]), _grads(steps["adaptiveload"])
+    assert ref.keys() == got.keys() and ref
+    for param in ref:
+        torch.testing.assert_close(got[param], ref[param], rtol=1e-4, atol=1e-6, msg=param)
+
+
 def test_activation_checkpointing_saves_no_tensor_inside_the_blocks():
     """Eager step: without checkpointing, autograd saves k_i tensors inside block i (counted between
     its forward hooks); with it, block i saves only its 5 tensor inputs (x, context, temb6, cos, sin),
@@ -281,6 +317,7 @@ def test_step_config_rejects_unknown_backend():
 
 _GRAD_SCRIPT = textwrap.dedent("""
     import sys, torch
+    from adaptiveload.fxfuse import collect_reports
     from adaptiveload.train.distributed import init_distributed
     from adaptiveload.train.data import LatentDataset, collate
     from adaptiveload.train.step import InputSpec, StepConfig, TrainStep, load_model
@@ -292,10 +329,12 @@ _GRAD_SCRIPT = textwrap.dedent("""
     assert step.sharded
     dataset = LatentDataset([[2, 4, 4]] * 3 + [[5, 6, 8]], spec, seed=11)
     mine = [0, 1, 2] if ctx.rank == 0 else [3]          # unequal batches: 3 samples vs 1
-    step.forward_backward(collate([dataset[i] for i in mine]), 4)
+    with collect_reports() as reports:                  # the compiled blocks' graphs (each holds every site)
+        step.forward_backward(collate([dataset[i] for i in mine]), 4)
     grads = {n: p.grad.full_tensor() for n, p in step.module.named_parameters()}
+    fused = {name: max(r.of_pattern(name).fused for r in reports) for r in reports for name in r.patterns()}
     if ctx.rank == 0:
-        torch.save(grads, sys.argv[1])
+        torch.save({"grads": grads, "fused": fused}, sys.argv[1])
     ctx.close()
 """)
 
@@ -303,13 +342,17 @@ _GRAD_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", "adaptiveload"])
 def test_fsdp2_gradients_match_one_process(tmp_path, run_script, backend):
-    """2 ranks (gloo, FSDP2) with 3 and 1 samples give the gradient one process computes on all 4."""
+    """2 ranks (gloo, FSDP2) with 3 and 1 samples give the gradient one process computes on all 4;
+    with the fused backend each block's graph holds norm1 (adaln_modulate) and norm2, norm3 with
+    their residuals (residual_adaln_modulate)."""
     script = tmp_path / "grads.py"
     script.write_text(_GRAD_SCRIPT)
     out = tmp_path / "grads.pt"
     proc = run_script(script, out, backend, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    distributed = torch.load(out)
+    saved = torch.load(out)
+    distributed = saved["grads"]
+    assert saved["fused"] == ({"adaln_modulate": 1, "residual_adaln_modulate": 2} if backend == "adaptiveload" else {})
     step, spec = _tiny_step()
     dataset = LatentDataset([[2, 4, 4]] * 3 + [[5, 6, 8]], spec, seed=11)
     step.forward_backward(collate([dataset[i] for i in range(3)]), 4)

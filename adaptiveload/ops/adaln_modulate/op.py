@@ -52,7 +52,7 @@ def check_backward_inputs(
     """Validate :func:`adaln_modulate_backward`'s inputs (those of the forward, dy of x's shape and
     one mean/rstd per row); raise ``ValueError`` naming the offending tensor and its shape."""
     check_inputs(x, weight, bias, scale, shift, x.dtype)
-    common.check_backward_common(f"{_OP}_backward", dy, x, {"mean": mean, "rstd": rstd})
+    common.check_backward_common(f"{_OP}_backward", x, {"dy": dy}, {"mean": mean, "rstd": rstd})
 
 
 _lib = common.define(

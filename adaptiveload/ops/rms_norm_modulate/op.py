@@ -50,7 +50,7 @@ def check_backward_inputs(
     """Validate :func:`rms_norm_modulate_backward`'s inputs (those of the forward, dy of x's shape
     and one rstd per row); raise ``ValueError`` naming the offending tensor and its shape."""
     check_inputs(x, weight, scale, shift, x.dtype)
-    common.check_backward_common(f"{_OP}_backward", dy, x, {"rstd": rstd})
+    common.check_backward_common(f"{_OP}_backward", x, {"dy": dy}, {"rstd": rstd})
 
 
 _lib = common.define(

@@ -6,7 +6,8 @@ implementation).
 (RMSNorm: Zhang & Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019.) Statistics and
 arithmetic run in float32 (float64 when any input is float64, so gradcheck is meaningful); the
 output is cast once to the requested dtype. The backward formulas are the ones the CUDA kernels
-implement (``csrc/norm_modulate_backward.cuh`` with the RMS norm type):
+implement (``csrc/norm_modulate_backward.cuh`` with the RMS norm type); :func:`normalize` and
+:func:`grads` are the same math in the compute dtype, which the residual op builds on:
 
 * dshift  = sum of dy over the dims where shift broadcasts
 * dscale  = sum of dy * x_hat * w over the dims where scale broadcasts
@@ -27,6 +28,34 @@ def _weighted(x_hat: Tensor, weight: Optional[Tensor]) -> Tensor:
     return x_hat if weight is None else x_hat * weight.to(x_hat.dtype)
 
 
+def normalize(xf: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+    """``(n, rstd)`` of ``xf`` (already in the compute dtype): n = x_hat * weight [*x.shape] and the
+    per-row rstd [*x.shape[:-1]], both in xf's dtype."""
+    rstd = torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
+    return _weighted(xf * rstd, weight), rstd.squeeze(-1)
+
+
+def grads(
+    dyf: Tensor,
+    xf: Tensor,
+    weight: Optional[Tensor],
+    scale: Optional[Tensor],
+    shift: Optional[Tensor],
+    rstd: Tensor,
+) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """``(dx, dweight, dscale, dshift)`` from dy and x in the compute dtype (``dyf``, ``xf``) and the
+    saved rstd: dx in the compute dtype, not rounded (the residual op adds to it); the others in
+    their own shape and dtype, contiguous; None for an absent input (scale None: no modulation)."""
+    r = rstd.to(xf.dtype).unsqueeze(-1)
+    x_hat = xf * r
+    dn, dscale, dshift = modulation_grads(dyf, _weighted(x_hat, weight), scale, shift)
+    row_dims = tuple(range(xf.dim() - 1))
+    dweight = None if weight is None else (dn * x_hat).sum(dim=row_dims).to(weight.dtype)
+    g = _weighted(dn, weight)
+    dx = r * (g - x_hat * (g * x_hat).mean(dim=-1, keepdim=True))
+    return dx, dweight, dscale, dshift
+
+
 def forward(
     x: Tensor,
     weight: Optional[Tensor],
@@ -38,10 +67,8 @@ def forward(
     """Reference forward. Returns ``(y, rstd)``: y [*x.shape] in ``out_dtype`` (contiguous), rstd
     [*x.shape[:-1]] in the compute dtype (float32, or float64 for float64 inputs)."""
     ct = compute_dtype(x, weight, scale, shift)
-    xf = x.to(ct)
-    rstd = torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
-    y = modulate(_weighted(xf * rstd, weight), scale, shift)
-    return output(y, out_dtype), rstd.squeeze(-1).contiguous()
+    n, rstd = normalize(x.to(ct), weight, eps)
+    return output(modulate(n, scale, shift), out_dtype), rstd.contiguous()
 
 
 def backward(
@@ -59,13 +86,5 @@ def backward(
     summed over the dims where the modulation broadcasts; the gradient of an absent input is None.
     """
     ct = compute_dtype(x, weight, scale, shift)
-    r = rstd.to(ct).unsqueeze(-1)
-    x_hat = x.to(ct) * r
-    dyf = dy.to(ct)
-    dscale, dshift = modulation_grads(dyf, _weighted(x_hat, weight), scale, shift)
-    dn = dyf * (1 + scale.to(ct))
-    row_dims = tuple(range(x.dim() - 1))
-    dweight = None if weight is None else (dn * x_hat).sum(dim=row_dims).to(weight.dtype)
-    g = _weighted(dn, weight)
-    dx = r * (g - x_hat * (g * x_hat).mean(dim=-1, keepdim=True))
-    return output(dx, x.dtype), dweight, dscale, dshift
+    dx, *rest = grads(dy.to(ct), x.to(ct), weight, scale, shift, rstd)
+    return (output(dx, x.dtype), *rest)

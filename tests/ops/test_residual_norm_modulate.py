@@ -1,0 +1,340 @@
+"""Tests of ``torch.ops.adaptiveload.residual_adaln_modulate`` and ``.residual_rms_norm_modulate``
+(the residual update folded into a norm site): r, out, the statistics and every gradient against a
+float64 eager composition written here (``x + gate * y``, ``F.layer_norm`` / ``F.rms_norm``,
+``* (1 + scale) + shift``) over prologue (plain / gated, every gate layout) x norm (affine or not)
+x modulation (none, scale-only, scale+shift, every layout) x dtypes, with and without a gradient
+arriving at r; gradcheck; opcheck of both ops (dout non-contiguous included); hand-computed values;
+D > 8192; bad inputs; aliasing; the autograd wiring (first derivatives only, only the gradients
+asked for, a plain residual's one dr_total for both inputs)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from adaptiveload.ops.testing import (GRAD_LAYOUTS, LAYOUTS, OPCHECK_UTILS, TOL, assert_rel, check_backward_strides,
+                                       check_op_against_float64, lay_out_grad, make_mod, property_strategies)
+
+EPS = 1e-6
+OPS = {"layer_norm": torch.ops.adaptiveload.residual_adaln_modulate,
+       "rms_norm": torch.ops.adaptiveload.residual_rms_norm_modulate}
+BACKWARDS = {"layer_norm": torch.ops.adaptiveload.residual_adaln_modulate_backward,
+             "rms_norm": torch.ops.adaptiveload.residual_rms_norm_modulate_backward}
+MODULATIONS = ("none", "scale", "scale+shift")
+
+
+def eager_site(norm, x, y, gate, weight, bias, scale, shift, r_dtype=None):
+    """The residual update and the norm site as a user writes them (in the inputs' dtype): ``(r,
+    out)``. With ``r_dtype`` the norm reads r rounded to it, as Wan's ``.type_as(x)`` then
+    ``.float()`` does (the rounding passes gradients through unchanged); r is returned unrounded."""
+    r = x + y if gate is None else x + gate * y
+    read = r if r_dtype is None else r.to(r_dtype).to(r.dtype)
+    if norm == "layer_norm":
+        n = F.layer_norm(read, (r.shape[-1],), weight, bias, EPS)
+    else:
+        n = F.rms_norm(read, (r.shape[-1],), weight, EPS)
+    if scale is None:
+        return r, n
+    out = n * (1 + scale)
+    return r, (out if shift is None else out + shift)
+
+
+def call(norm, v, r_dtype, out_dtype):
+    """The op on the inputs ``v`` by name (absent ones None)."""
+    norm_args = (v.get("weight"), v.get("bias")) if norm == "layer_norm" else (v.get("weight"),)
+    return OPS[norm](v["x"], v["y"], v.get("gate"), *norm_args, v.get("scale"), v.get("shift"), EPS, r_dtype,
+                     out_dtype)
+
+
+def make_inputs(norm, x_shape, dtype, gate_layout, modulation, scale_layout, shift_layout, affine, seed,
+                mod_dtype=None, y_dtype=None):
+    """The op's inputs by name (None for absent ones): x, y [x_shape]; gate, scale, shift in a layout
+    of LAYOUTS (gate None for a plain residual; modulation "none", "scale" or "scale+shift");
+    weight (and the LayerNorm's bias) when ``affine``."""
+    gen = torch.Generator().manual_seed(seed)
+    D = x_shape[-1]
+    mdt = mod_dtype or dtype
+
+    def randn(*shape, scale=1.0, shift=0.0, dt=dtype):
+        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64) + shift).to(dt)
+
+    named = {"x": randn(*x_shape, scale=2.0, shift=0.3), "y": randn(*x_shape, dt=y_dtype or dtype)}
+    named["gate"] = None if gate_layout is None else make_mod(gate_layout, x_shape, mdt, "cpu", gen)
+    named["weight"] = randn(D, scale=0.3, shift=1.0) if affine else None
+    if norm == "layer_norm":
+        named["bias"] = randn(D, scale=0.3) if affine else None
+    named["scale"] = None if modulation == "none" else make_mod(scale_layout, x_shape, mdt, "cpu", gen)
+    named["shift"] = make_mod(shift_layout, x_shape, mdt, "cpu", gen) if modulation == "scale+shift" else None
+    return named
+
+
+def check_against_float64(norm, x_shape, dtype, gate_layout, modulation, scale_layout, shift_layout, affine, seed,
+                          grad_layout="contiguous", with_dr=True, mod_dtype=None, y_dtype=None):
+    """The op forward and backward (dout, and dr unless ``with_dr`` is False, laid out as
+    ``grad_layout``) against float64 autograd of :func:`eager_site` on the same (upcast) inputs, its
+    norm reading r rounded to ``dtype`` (the op's r_dtype): r, out, the statistics and every
+    gradient."""
+    named = make_inputs(norm, x_shape, dtype, gate_layout, modulation, scale_layout, shift_layout, affine, seed,
+                        mod_dtype, y_dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    dout = lay_out_grad(grad_layout, torch.randn(*x_shape, generator=gen, dtype=torch.float64).to(dtype))
+    dr = lay_out_grad(grad_layout, torch.randn(*x_shape, generator=gen, dtype=torch.float64).to(dtype))
+
+    def op_fn(v):
+        r, out, *stats = call(norm, v, dtype, dtype)
+        assert r.dtype == out.dtype == dtype and r.is_contiguous() and out.is_contiguous()
+        return (r, out, *stats) if with_dr else (out, r, *stats)
+
+    keys = ("x", "y", "gate", "weight", "bias", "scale", "shift")
+
+    def ref_fn(v):
+        r, out = eager_site(norm, *(v.get(k) for k in keys), r_dtype=dtype)
+        return (r, out) if with_dr else out
+
+    tol = max(TOL[t] for t in (dtype, mod_dtype or dtype, y_dtype or dtype))
+    dys, names = ((dr, dout), ("r", "out")) if with_dr else (dout, ("out",))
+    outputs, ref = check_op_against_float64(named, op_fn, ref_fn, dys, tol, names)
+    stat_dtype = torch.float64 if torch.float64 in (dtype, mod_dtype, y_dtype) else torch.float32
+    r_ref = eager_site(norm, *(ref.get(k) for k in keys))[0].to(dtype).double()  # what the op's norm reads
+    stats = outputs[2:]
+    assert all(s.dtype == stat_dtype and s.shape == x_shape[:-1] for s in stats)
+    if norm == "layer_norm":
+        assert_rel(stats[0], r_ref.mean(-1), tol, "mean")
+        assert_rel(stats[1], (r_ref.var(-1, unbiased=False) + EPS).rsqrt(), tol, "rstd")
+    else:
+        assert_rel(stats[0], (r_ref.square().mean(-1) + EPS).rsqrt(), tol, "rstd")
+
+
+def _site_strategies():
+    layouts = st.sampled_from(LAYOUTS)
+    return dict(norm=st.sampled_from(sorted(OPS)), gate_layout=st.one_of(st.none(), layouts),
+                modulation=st.sampled_from(MODULATIONS), scale_layout=layouts, shift_layout=layouts,
+                affine=st.booleans(), with_dr=st.booleans())
+
+
+_SHAPES = {k: v for k, v in property_strategies().items() if k in ("B", "tokens", "D", "grad_layout", "seed")}
+
+
+@given(**_SHAPES, **_site_strategies())
+def test_matches_float64_eager_in_float64(B, tokens, D, grad_layout, seed, norm, gate_layout, modulation,
+                                          scale_layout, shift_layout, affine, with_dr):
+    check_against_float64(norm, (B, *tokens, D), torch.float64, gate_layout, modulation, scale_layout, shift_layout,
+                          affine, seed, grad_layout, with_dr)
+
+
+@given(**_SHAPES, **_site_strategies(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       fp32_mod=st.booleans())
+def test_matches_float64_eager_in_lower_precision(B, tokens, D, grad_layout, seed, norm, gate_layout, modulation,
+                                                  scale_layout, shift_layout, affine, with_dr, dtype, fp32_mod):
+    """x, y, r and out in ``dtype``; gate, scale and shift in it or in float32 (Wan's pattern); each
+    output within the rounding of one cast to its dtype of the float64 result."""
+    check_against_float64(norm, (B, *tokens, D), dtype, gate_layout, modulation, scale_layout, shift_layout, affine,
+                          seed, grad_layout, with_dr, mod_dtype=torch.float32 if fp32_mod else None)
+
+
+@pytest.mark.parametrize("norm", sorted(OPS))
+def test_x_and_y_of_different_dtypes_and_wide_rows(norm):
+    """y in float32 beside bf16 x (each gradient in its input's dtype); D > 8192."""
+    check_against_float64(norm, (2, 3, 8), torch.bfloat16, "per-sample", "scale+shift", "per-token", "shared", True,
+                          seed=1, y_dtype=torch.float32)
+    check_against_float64(norm, (1, 3, 12288), torch.bfloat16, "strided-per-sample", "scale+shift", "per-sample",
+                          "per-sample", True, seed=2, mod_dtype=torch.float32)
+    check_against_float64(norm, (1, 2, 9000), torch.float64, None, "none", None, None, False, seed=3)
+
+
+def test_hand_computed_values():
+    """One row by hand, LayerNorm: x = [3, 4], y = [1, -2], gate = [2, 0.5] -> r = [5, 3]; mean 4,
+    variance 1, eps 0.5 -> rstd = 1/sqrt(1.5), x_hat = [rstd, -rstd]; weight [2, 1], bias [0, 1],
+    scale [1, 0], shift [0, 1] -> out = [2 rstd * 2, (1 - rstd) + 1]. Backward with dout = 0 and
+    dr = [1, 1]: dx = [1, 1], dy = gate, dgate = y (gate is shared, [D]: summed over the one row),
+    and no norm or modulation gradient."""
+    t = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    x, y, gate, w, b, scale, shift = t([3.0, 4.0]), t([1.0, -2.0]), t(2.0, 0.5), t(2.0, 1.0), t(0.0, 1.0), \
+        t(1.0, 0.0), t(0.0, 1.0)
+    r, out, mean, rstd = OPS["layer_norm"](x, y, gate, w, b, scale, shift, 0.5, torch.float64, torch.float64)
+    s = 1 / 1.5 ** 0.5
+    torch.testing.assert_close(r, t([5.0, 3.0]), rtol=0, atol=0)
+    torch.testing.assert_close(out, t([4 * s, 2 - s]), rtol=1e-15, atol=0)
+    torch.testing.assert_close((mean, rstd), (t(4.0), t(s)), rtol=1e-15, atol=0)
+    grads = BACKWARDS["layer_norm"](torch.zeros_like(out), torch.ones_like(r), r, y, gate, w, b, scale, shift, mean,
+                                    rstd, torch.float64)
+    dx, dy, dgate, dw, db, dscale, dshift = grads
+    torch.testing.assert_close((dx, dy, dgate), (t([1.0, 1.0]), gate[None], y[0]), rtol=0, atol=0)
+    assert all(g.abs().max() == 0 for g in (dw, db, dscale, dshift))
+
+
+def test_hand_computed_rms_norm_plain_residual():
+    """RMSNorm, plain residual, no modulation: x = [1, 2], y = [2, 2] -> r = [3, 4]; mean(r^2) = 12.5,
+    eps 0 -> out = r / sqrt(12.5). Without a gate the backward returns dr_total once (dy, dgate
+    empty): with dout = 0, dr = [2, -1] it is dr."""
+    x, y = torch.tensor([[1.0, 2.0]], dtype=torch.float64), torch.tensor([[2.0, 2.0]], dtype=torch.float64)
+    r, out, rstd = OPS["rms_norm"](x, y, None, None, None, None, 0.0, torch.float64, torch.float64)
+    torch.testing.assert_close(out, torch.tensor([[3.0, 4.0]], dtype=torch.float64) / 12.5 ** 0.5, rtol=1e-15, atol=0)
+    dr = torch.tensor([[2.0, -1.0]], dtype=torch.float64)
+    dx, dy, dgate, dw, dscale, dshift = BACKWARDS["rms_norm"](torch.zeros_like(out), dr, r, None, None, None, None,
+                                                              None, rstd, torch.float64)
+    torch.testing.assert_close(dx, dr, rtol=0, atol=0)
+    assert [t.shape for t in (dy, dgate, dw, dscale, dshift)] == [(0,)] * 5
+
+
+def _opcheck_args(norm, gate_layout, modulation, layout, requires_grad=True, dtype=torch.float32):
+    named = make_inputs(norm, (2, 5, 8), dtype, gate_layout, modulation, layout, layout, True, seed=3)
+    if requires_grad:
+        for t in named.values():
+            if t is not None:
+                (t._base if t._base is not None else t).requires_grad_(True)
+    return named
+
+
+@pytest.mark.parametrize("norm", sorted(OPS))
+@pytest.mark.parametrize("gate_layout", [None, *LAYOUTS])
+@pytest.mark.parametrize("modulation", MODULATIONS)
+def test_opcheck(norm, gate_layout, modulation):
+    v = _opcheck_args(norm, gate_layout, modulation, gate_layout or "per-sample")
+    norm_args = (v["weight"], v["bias"]) if norm == "layer_norm" else (v["weight"],)
+    args = (v["x"], v["y"], v["gate"], *norm_args, v["scale"], v["shift"], EPS, torch.float32, torch.float32)
+    torch.library.opcheck(OPS[norm].default, args, test_utils=OPCHECK_UTILS)
+
+
+@pytest.mark.parametrize("norm", sorted(OPS))
+@pytest.mark.parametrize("gate_layout", [None, "strided-per-sample", "per-token"])
+@pytest.mark.parametrize("grad_layout", GRAD_LAYOUTS[1:])
+def test_opcheck_backward_with_noncontiguous_gradients(norm, gate_layout, grad_layout):
+    """The backward op's outputs are contiguous (as its fake kernel promises) whatever the layout of
+    dout and dr, with and without dr."""
+    v = _opcheck_args(norm, gate_layout, "scale+shift", "strided-per-token", requires_grad=False)
+    r, out, *stats = call(norm, v, torch.float32, torch.float32)
+    gen = torch.Generator().manual_seed(6)
+    dout, dr = (lay_out_grad(grad_layout, torch.randn(r.shape, generator=gen)) for _ in range(2))
+    norm_args = (v["weight"], v["bias"]) if norm == "layer_norm" else (v["weight"],)
+    names = ("dx", "dy", "dgate", "dweight", *(("dbias",) if norm == "layer_norm" else ()), "dscale", "dshift")
+    y = v["y"] if gate_layout is not None else None
+    for grad_r in (dr, None):
+        args = (dout, grad_r, r, y, v["gate"], *norm_args, v["scale"], v["shift"], *stats, torch.float32)
+        check_backward_strides(BACKWARDS[norm], args, names)
+
+
+@pytest.mark.parametrize("norm", sorted(OPS))
+@pytest.mark.parametrize("gate_layout", [None, "per-sample", "strided-per-token", "shared"])
+@pytest.mark.parametrize("modulation", MODULATIONS)
+def test_gradcheck_float64(norm, gate_layout, modulation):
+    named = make_inputs(norm, (2, 3, 5), torch.float64, gate_layout, modulation, "strided-per-sample", "per-token",
+                        True, seed=4)
+    names = [n for n, t in named.items() if t is not None]
+    leaves = [(named[n]._base if named[n]._base is not None else named[n]).detach().requires_grad_(True)
+              for n in names]
+
+    def fn(*leaves):
+        views = {n: leaf if named[n]._base is None else leaf.as_strided(named[n].shape, named[n].stride(),
+                                                                         named[n].storage_offset())
+                 for n, leaf in zip(names, leaves)}
+        r, out, *_ = call(norm, views, torch.float64, torch.float64)
+        return r, out
+
+    assert torch.autograd.gradcheck(fn, leaves)
+
+
+@pytest.mark.parametrize("norm", sorted(OPS))
+def test_outputs_never_alias_inputs(norm):
+    for gate_layout in (None, "per-token"):
+        v = _opcheck_args(norm, gate_layout, "scale+shift", "per-token", requires_grad=False)
+        r, out, *stats = call(norm, v, torch.float32, torch.float32)
+        norm_args = (v["weight"], v["bias"]) if norm == "layer_norm" else (v["weight"],)
+        dout, dr = torch.randn_like(r), torch.randn_like(r)
+        y = v["y"] if gate_layout is not None else None
+        grads = BACKWARDS[norm](dout, dr, r, y, v["gate"], *norm_args, v["scale"], v["shift"], *stats, torch.float32)
+        inputs = [t for t in (*v.values(), dout, dr) if t is not None]
+        for result in (r, out, *stats, *grads):
+            for t in inputs:
+                assert result.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("norm", sorted(OPS))
+def test_plain_residual_hands_dr_total_to_both_inputs(norm):
+    """Without a gate the backward op returns dr_total once; y's gradient is that tensor in y's
+    dtype (a float32 y beside float64 x gets it cast), and equals float64 eager's."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 3, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    for y in (torch.randn(2, 3, 8, generator=gen, dtype=torch.float64, requires_grad=True),
+              torch.randn(2, 3, 8, generator=gen, requires_grad=True)):
+        r, out, *_ = call(norm, {"x": x, "y": y}, torch.float64, torch.float64)
+        dx, dy = torch.autograd.grad((r * 3 + out.square()).sum(), (x, y))
+        assert dy.dtype == y.dtype
+        torch.testing.assert_close(dy, dx.to(y.dtype), rtol=0, atol=0)
+        x_ref = x.detach().requires_grad_()
+        r_ref, out_ref = eager_site(norm, x_ref, y.detach().double(), None, None, None, None, None)
+        (dx_ref,) = torch.autograd.grad((r_ref * 3 + out_ref.square()).sum(), x_ref)
+        assert_rel(dx, dx_ref, 1e-10, "dx")
+
+
+def test_gradients_only_for_inputs_that_need_them():
+    """An input that needs no gradient gets None; x and y get float32 eager's gradients."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 5, 8, generator=gen, requires_grad=True)
+    y = torch.randn(2, 5, 8, generator=gen, requires_grad=True)
+    gate, scale = torch.randn(2, 1, 8, generator=gen), torch.randn(2, 1, 8, generator=gen)
+    r, out, *_ = OPS["layer_norm"](x, y, gate, None, None, scale, None, EPS, torch.float32, torch.float32)
+    out.sum().backward()
+    assert gate.grad is None and scale.grad is None
+    x_ref, y_ref = x.detach().double().requires_grad_(), y.detach().double().requires_grad_()
+    eager_site("layer_norm", x_ref, y_ref, gate.double(), None, None, scale.double(), None)[1].sum().backward()
+    assert_rel(x.grad, x_ref.grad, 2 * TOL[torch.float32], "dx")
+    assert_rel(y.grad, y_ref.grad, 2 * TOL[torch.float32], "dy")
+
+
+def test_double_backward_raises():
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    y = torch.randn(2, 5, 8)
+    r, out, _ = OPS["rms_norm"](x, y, None, None, torch.randn(2, 1, 8), None, EPS, torch.float32, torch.float32)
+    (dx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        dx.sum().backward()
+
+
+def _bad(**changes):
+    gen = torch.Generator().manual_seed(0)
+    args = {"x": torch.randn(2, 5, 8, generator=gen), "y": torch.randn(2, 5, 8, generator=gen),
+            "gate": torch.randn(2, 1, 8, generator=gen), "weight": torch.randn(8, generator=gen),
+            "bias": torch.randn(8, generator=gen), "scale": torch.randn(2, 1, 8, generator=gen),
+            "shift": torch.randn(2, 1, 8, generator=gen), "r_dtype": torch.float32}
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (_bad(y=torch.randn(2, 1, 8)), ["y (shape [2, 1, 8]", "the shape of x [2, 5, 8]"]),
+    (_bad(gate=torch.randn(3, 1, 8)), ["gate (shape [3, 1, 8]", "not a supported modulation layout"]),
+    (_bad(gate=torch.randn(2, 5, 4)), ["gate (shape [2, 5, 4]"]),
+    (_bad(weight=torch.randn(7)), ["weight (shape [7]", "must have shape [8]"]),
+    (_bad(scale=None), ["shift is given without scale"]),
+    (_bad(y=torch.randint(0, 3, (2, 5, 8))), ["y (shape [2, 5, 8], dtype torch.int64)", "floating"]),
+    (_bad(x=torch.randn(8), y=torch.randn(8)), ["x (shape [8]", "at least 2 dims"]),
+    (_bad(r_dtype=torch.int32), ["r_dtype must be a floating dtype"]),
+])
+def test_bad_inputs_raise_value_error_naming_the_tensor(kwargs, words):
+    a = kwargs
+    with pytest.raises(ValueError) as err:
+        OPS["layer_norm"](a["x"], a["y"], a["gate"], a["weight"], a["bias"], a["scale"], a["shift"], EPS, a["r_dtype"],
+                          torch.float32)
+    assert str(err.value).startswith("residual_adaln_modulate: ")
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_bad_backward_inputs_raise_value_error_naming_the_tensor():
+    a = _bad()
+    r, out, rstd = OPS["rms_norm"](a["x"], a["y"], a["gate"], a["weight"], a["scale"], a["shift"], EPS, torch.float32,
+                                   torch.float32)
+    bwd = BACKWARDS["rms_norm"]
+    good = dict(dout=torch.ones_like(r), dr=torch.ones_like(r), r=r, y=a["y"], gate=a["gate"], weight=a["weight"],
+                scale=a["scale"], shift=a["shift"], rstd=rstd, x_dtype=torch.float32)
+    cases = [(dict(dout=torch.ones(2, 5)), r"dout \(shape \[2, 5\].*of r's shape \[2, 5, 8\]"),
+             (dict(dr=torch.ones(2, 5, 4)), r"dr \(shape \[2, 5, 4\]"),
+             (dict(rstd=torch.ones(2)), r"rstd \(shape \[2\].*one per row of r"),
+             (dict(y=None), "y is required with a gate"),
+             (dict(x_dtype=torch.int64), "x_dtype must be a floating dtype")]
+    for change, match in cases:
+        with pytest.raises(ValueError, match="residual_rms_norm_modulate_backward: " + match):
+            bwd(**{**good, **change})
