@@ -14,7 +14,9 @@ Structure (Wan 2.1 text-to-video, as diffusers' ``WanTransformer3DModel`` lays i
 
 The LayerNorm -> modulate chains are written exactly as Wan writes them (float32 norm and
 modulate, cast back to the stream's dtype), so ``adaptiveload.fxfuse`` sees real Wan graphs:
-``num_modulate_sites = 2 * num_layers + 1`` (norm1 and norm3 of every block, and the head).
+``num_modulate_sites = 2 * num_layers + 1`` (norm1 and norm3 of every block, and the head), of
+``num_norm_sites = 3 * num_layers + 1`` LayerNorms (norm2, affine and not modulated, behind the
+cross-attention's residual add, is fused together with that add where the residual ops run).
 """
 from __future__ import annotations
 
@@ -170,6 +172,7 @@ class WanDiT(nn.Module):
     Attributes:
         config: the :class:`WanConfig`.
         num_modulate_sites: LayerNorm -> modulate chains one forward executes, ``2 * num_layers + 1``.
+        num_norm_sites: LayerNorms one forward executes, ``3 * num_layers + 1``.
         activation_checkpointing: whether blocks are checkpointed in training mode
             (:meth:`set_activation_checkpointing`).
     """
@@ -193,6 +196,12 @@ class WanDiT(nn.Module):
     def num_modulate_sites(self) -> int:
         """LayerNorm -> modulate chains per forward: norm1 and norm3 of each block, plus the head."""
         return 2 * self.config.num_layers + 1
+
+    @property
+    def num_norm_sites(self) -> int:
+        """LayerNorms per forward, the norm sites the backend can fuse: norm1, norm2 and norm3 of
+        each block, plus the head (norm2 only together with the residual add in front of it)."""
+        return 3 * self.config.num_layers + 1
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Checkpoint every block (recompute it in backward) when ``enabled`` and in training mode."""

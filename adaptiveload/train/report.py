@@ -28,6 +28,7 @@ def _rows(run: dict) -> list[tuple[str, str]]:
     peaks = run.get("peak_memory_bytes_per_rank")
     busy = run.get("busy_time_s_per_rank") or []
     predicted = (run.get("plan") or {}).get("predicted") or {}
+    model = run.get("model") or {}
     return [
         ("backend", run["backend"]),
         ("policy", run["policy"]),
@@ -47,8 +48,9 @@ def _rows(run: dict) -> list[tuple[str, str]]:
         ("step composition KS / lag-1 corr", f"{_fmt(run.get('composition_ks'), 'ratio')} / "
                                             f"{_fmt(run.get('composition_lag1_corr'), 'ratio')}"),
         ("peak memory GiB (max rank)", _fmt(max(peaks) if peaks else None, "gib")),
-        ("fused chains / seen / model sites",
-         f"{run.get('fused_chains', 0)} / {run.get('seen_chains', 0)} / {run.get('model', {}).get('modulate_sites') or '-'}"),
+        ("fused chains / seen / model norm sites (modulated)",
+         f"{run.get('fused_chains', 0)} / {run.get('seen_chains', 0)} / {model.get('norm_sites') or '-'} "
+         f"({model.get('modulate_sites') or '-'})"),
         ("compiled graphs (in timed steps)",
          f"{_fmt(run.get('compiled_graphs'), 'int')} ({_fmt(run.get('compiled_graphs_in_training'), 'int')}"
          + (f"; steps {', '.join(map(str, run['compile_steps']))})" if run.get("compile_steps") else ")")),

@@ -197,7 +197,8 @@ class ModelSource:
 
 @dataclass
 class ModelInfo:
-    """What was built, for reports: name, layers, parameters, checkpointing, modulate sites, patch."""
+    """What was built, for reports: name, layers, parameters, checkpointing, modulate sites (norm ->
+    modulate chains a forward runs), norm sites (every norm the backend can fuse), patch."""
 
     name: str
     num_layers: Optional[int]
@@ -205,6 +206,7 @@ class ModelInfo:
     activation_checkpointing: bool
     modulate_sites: Optional[int]
     patch_size: Optional[list] = None
+    norm_sites: Optional[int] = None
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -235,6 +237,7 @@ def build_step(
         activation_checkpointing=checkpointing,
         modulate_sites=getattr(model, "num_modulate_sites", None),
         patch_size=list(spec.patch_size),
+        norm_sites=getattr(model, "num_norm_sites", None),
     )
     step_config = dataclasses.replace(step_config, activation_checkpointing=checkpointing)
     return TrainStep(model, step_config, ctx), spec, info

@@ -81,6 +81,18 @@ def test_num_modulate_sites_counts_the_modulated_norms_a_forward_runs():
     assert model.num_modulate_sites == len(calls) == 2 * 3 + 1
 
 
+def test_num_norm_sites_counts_every_layer_norm_a_forward_runs():
+    """norm1, norm2 (affine, behind the cross-attention residual) and norm3 of each block, and norm_out."""
+    model = build_model(WanConfig(dim=24, num_layers=3, num_heads=2, ffn_dim=32, in_channels=2, out_channels=2,
+                                  text_dim=8, text_len=3, freq_dim=8))
+    calls = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            module.register_forward_hook(lambda *_: calls.append(1))
+    model(*make_inputs(model.config, 1, (1, 2, 2)))
+    assert model.num_norm_sites == len(calls) == 3 * 3 + 1
+
+
 @pytest.mark.parametrize("name,low,high", [("wan2.1-1.3b", 1.3e9, 1.5e9), ("wan2.1-14b", 14.0e9, 14.5e9)])
 def test_preset_parameter_counts(name, low, high):
     """Released checkpoints: Wan2.1-T2V-1.3B has 1.42e9 parameters, Wan2.1-T2V-14B 14.29e9."""

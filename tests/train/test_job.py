@@ -45,6 +45,7 @@ def _check_run(run, world_size, steps):
     assert run["final_eval_loss"] == run["eval_loss"][-1][1]
     assert run["plan"]["m_mem"] >= 1 and run["plan"]["predicted"]["tokens_per_s"] > 0
     assert run["model"]["name"] == "tiny" and run["model"]["parameters"] > 0 and run["model"]["modulate_sites"] == 5
+    assert run["model"]["norm_sites"] == 7  # the tiny preset's 2 blocks: norm1-3 each, and the head
     assert run["warmup_s"] > 0 and run["compiled_graphs"] >= run["compiled_graphs_in_training"] >= 0
     assert run["tokens_per_s_unprofiled"] > 0
     assert all(isinstance(h["compiled"], bool) for h in history)
