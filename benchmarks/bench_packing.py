@@ -26,7 +26,7 @@ from results_file import run_context, write_json_and_markdown
 
 CALIBRATION = "anchors-wan1.3b"
 M_MEM = 151_200  # two 720p 81-frame clips (S = 75,600 each)
-STEPS_FOR_CORRELATION = 1000  # steps replayed at least (more epochs at large W)
+STEPS_FOR_CORRELATION = 4000  # steps replayed at least (more epochs at large W): lag-1 is then known to +-0.016 (1 sd)
 SAMPLES_PER_PACK = 5  # about, on the reference mix: steps per epoch ~ samples / (W * 5)
 
 
