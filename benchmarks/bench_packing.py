@@ -4,8 +4,9 @@ at the H200's memory budget.
 
 Plans with the built-in ``anchors-wan1.3b`` calibration (Wan-1.3B measured on an H200, quadratic
 model; adaptiveload/sched/presets.py) on the reference mix, and scores against the truth = the same
-model x (1 + 0.05 N(0, 1)) per rank and step (``adaptiveload simulate``'s default). W = 1024 replays
-several epochs so that the lag-1 correlation rests on about a thousand steps.
+model x (1 + 0.05 N(0, 1)) per rank and step (``adaptiveload simulate``'s default). W = 64 and 1024
+replay several epochs so that the lag-1 correlation rests on at least 4000 steps (its standard error,
+about 1/sqrt(steps), is then a third of the 0.05 target). About 3 minutes on 2 CPU cores.
 
     python benchmarks/bench_packing.py
     python benchmarks/bench_packing.py --samples 200000 --world-sizes 2 8
@@ -26,7 +27,7 @@ from results_file import run_context, write_json_and_markdown
 
 CALIBRATION = "anchors-wan1.3b"
 M_MEM = 151_200  # two 720p 81-frame clips (S = 75,600 each)
-STEPS_FOR_CORRELATION = 1000  # steps replayed at least (more epochs at large W)
+STEPS_FOR_CORRELATION = 4000  # steps replayed at least (more epochs at large W): lag-1 is then known to +-0.016 (1 sd)
 SAMPLES_PER_PACK = 5  # about, on the reference mix: steps per epoch ~ samples / (W * 5)
 
 

@@ -17,24 +17,35 @@ Epoch plan (vectorised numpy, every rank computes it from ``(seed, epoch)`` with
 
 1. the samples are put in a random order and split, in that order, into two streams: samples whose
    predicted work is at most the median sample's (the *fine* stream) and the rest;
-2. the epoch is cut into groups of :data:`GROUP_PACKS` packs: each group takes the next samples of
-   the coarse stream up to its share of the coarse work and then the next samples of the fine
-   stream up to the group's total, so that every group holds the same predicted work (to within
-   half a fine sample) and ``total / GROUP_PACKS`` is close to the step budget;
-3. within each group, longest-processing-time-first (LPT): samples by predicted work, largest
-   first, each to the least-loaded of the group's packs whose tokens stay within ``m_mem``; a
-   sample that fits in no pack waits for the next round, where the waiting samples form new groups;
+2. the epoch gets the multiple of W packs nearest to its predicted work over the step budget (so
+   that its last step needs no padding), cut into groups of at most :data:`GROUP_PACKS` packs:
+   each group takes the next samples of the coarse stream up to its share of the coarse work and
+   then the next samples of the fine stream up to its share of the total, so that every group holds
+   the same predicted work per pack (to within half a fine sample), close to the step budget;
+3. within each group, longest-processing-time-first (LPT) under the token limit: samples by
+   predicted work, largest first, each to the pack that has room for it below the group's work per
+   pack (without the samples longer than that) and the most work left per token left (plain LPT's
+   least-loaded pack when tokens do not bind; :func:`_lpt`), so that packs which took samples of few
+   seconds per token get the denser ones and reach the budget before ``m_mem``; a sample that fits
+   in no pack waits for the next round, where the waiting samples form new groups -- or, when fewer
+   samples wait than there are ranks, join the packs with the most tokens left (:func:`_top_up`);
 4. steps of W packs: within windows of :data:`STEP_WINDOW` steps, packs whose predicted times lie in
-   the same band of :data:`LOAD_TOLERANCE` times the median are put in random order and the bands
-   follow each other, W consecutive packs form a step; then the steps are shuffled. A pack whose
-   time stands out (one long clip alone, a pack full of tokens before it reached the budget) trains
-   beside packs of its own time, the others beside packs of random content;
-5. the last step gets a padding pack on each rank left without one: one sample (the shortest) with
-   loss weight 0 (:meth:`PackingSampler.loss_weight`), so every rank runs the same number of steps.
+   the same band of :data:`LOAD_TOLERANCE` times the median (bands centred on the median) are put in
+   random order and the bands follow each other, W consecutive packs form a step; then the steps
+   are shuffled. A pack whose time stands out (one long clip over the budget, a pack full of tokens
+   before it reached the budget) trains beside packs of its own time, the others -- the packs
+   within a band of the median -- beside packs of random content;
+5. when the packs are not a multiple of W after all (packs left empty: fewer samples than packs, or
+   a round for a few waiting samples), the last step gets a padding pack on each rank left without
+   one: one sample (the shortest) with loss weight 0 (:meth:`PackingSampler.loss_weight`), so every
+   rank runs the same number of steps.
 
 Every kept sample is trained exactly once per epoch. Random order: the composition of a step is
 that of random samples, except for the packs of step 4's outer bands
 (``adaptiveload simulate`` reports ``composition_ks`` and ``composition_lag1_corr`` per policy).
+Packs stand out when the budget is below the longest sample's time or when the memory budget
+leaves no way to fill every pack to the budget (a pack without long clips runs out of tokens
+first); the plan's budget (:func:`~adaptiveload.sched.plan.make_plan`) avoids the first.
 
 Resume: as the bucket sampler (:mod:`adaptiveload.sched.sampler`), ``state_dict(consumed_steps=k)``
 and ``load_state_dict``; a DataLoader's ``batch_sampler``, with any number of workers.
@@ -66,6 +77,10 @@ GROUP_PACKS = 32
 LOAD_TOLERANCE = 0.02
 # Steps (of consecutive groups) among whose packs step 4 forms steps of one band.
 STEP_WINDOW = 16
+# Rounds of step 3's water level (a group's work per pack without the samples longer than it); each
+# round finds the samples the previous level left above it, and the longest samples of a corpus are
+# above the first.
+WATER_LEVEL_ROUNDS = 3
 POLICY = "packed"
 
 
@@ -148,7 +163,9 @@ class PackingSampler(EpochBatchSampler):
             tokens are ``T*H*W / prod(patch_size)``.
         m_mem: the per-rank memory budget, tokens per pack: ``sum_i S_i <= m_mem``.
         step_budget_s: the per-rank step-time budget, seconds: each pack's predicted time is about
-            this (the plan's choice, :func:`~adaptiveload.sched.plan.make_plan` with policy ``packed``).
+            this (the plan's choice, :func:`~adaptiveload.sched.plan.make_plan` with policy ``packed``);
+            the packs fill whole steps, so their mean time is the budget to within half a step's share
+            of the epoch (less where ``m_mem`` binds).
         cost_model: predicts a pack's time (:meth:`CostModel.predict_packs`).
         num_replicas, rank: world size and this rank (default: from ``torch.distributed``, else 1, 0).
         seed: seed of the random order (the same on every rank).
@@ -258,17 +275,29 @@ class PackingSampler(EpochBatchSampler):
         todo = self._kept[rng.permutation(self._kept.size)]
         bucket = self._inverse[todo]  # gathered once; per-bucket tables stay in cache
         work32 = self._bucket_work.astype(np.float32)  # LPT's choice; exact times are summed in float64
-        samples, packs, num_packs = [], [], 0
+        samples, packs, num_packs, topped_up = [], [], 0, False
         while todo.size:  # the samples step 3 could not place form the groups of another round
-            group, num_groups = _cut_groups(self._bucket_work[bucket], self._fine_work, self._pack_work * GROUP_PACKS,
-                                            float(self._bucket_seq[bucket].sum(dtype=np.int64)), self.m_mem)
+            if samples and not topped_up and todo.size < self.num_replicas:
+                # so few that new packs would leave most of a step padding: the packs with room take them
+                topped_up = True
+                done = np.concatenate(packs)
+                held = np.bincount(done, minlength=num_packs)
+                tokens = np.bincount(done, weights=self.seq_lens[np.concatenate(samples)], minlength=num_packs)
+                pack = _top_up(np.where(held > 0, self.m_mem - tokens, -1), self.seq_lens[todo])
+                samples.append(todo[pack >= 0])
+                packs.append(pack[pack >= 0].astype(todo.dtype))
+                todo, bucket = todo[pack < 0], bucket[pack < 0]
+                continue
+            group, group_packs = _cut_groups(self._bucket_work[bucket], self._fine_work, self._pack_work,
+                                             float(self._bucket_seq[bucket].sum(dtype=np.int64)), self.m_mem,
+                                             self.num_replicas)
+            num_groups = group_packs.size
             key = group.astype(np.int64 if num_groups * self._bucket_work.size >= 2**31 else np.int32)
             by_group = np.argsort(key * self._bucket_work.size + self._bucket_rank[bucket], kind="stable")
             del key
             todo, group, bucket = todo[by_group], group[by_group], bucket[by_group]
             del by_group
-            slot = _lpt(group, self._bucket_seq[bucket], work32[bucket], num_groups, self.m_mem,
-                        int(self.seq_lens[self.padding_sample]))
+            slot = _lpt(group, self._bucket_seq[bucket], work32[bucket], group_packs, self.m_mem)
             placed = slot >= 0
             samples.append(todo[placed])
             packs.append((num_packs + group[placed] * GROUP_PACKS + slot[placed]).astype(todo.dtype))
@@ -317,53 +346,77 @@ class PackingSampler(EpochBatchSampler):
         return (self._inverse, self._bucket_work, self._kept), (self.m_mem, self.step_budget_s)
 
 
-def _cut_groups(work, fine_work, group_work, tokens, m_mem) -> tuple[np.ndarray, int]:
-    """Step 2 of the module docstring: the group of every sample.
+def _cut_groups(work, fine_work, pack_work, tokens, m_mem, world_size) -> tuple[np.ndarray, np.ndarray]:
+    """Step 2 of the module docstring: the number of packs, and the group of every sample.
+
+    The packs: the multiple of ``world_size`` nearest to ``total work / pack_work`` (at least one
+    step, and enough packs for the tokens), so that the epoch's last step needs no padding and the
+    mean pack work stays within half a step's share of ``pack_work``; spread over groups of at most
+    :data:`GROUP_PACKS` packs, the group sizes differing by at most one.
 
     Args:
         work: float64 [n], predicted work of the samples in their random order (seconds).
         fine_work: the largest work of the fine stream (the median sample's).
-        group_work: a group's target work, ``GROUP_PACKS`` times the pack budget (seconds).
+        pack_work: the pack budget without its fixed time (seconds).
         tokens: total tokens of the samples; m_mem: tokens per pack.
+        world_size: the packs are a multiple of it (1 for any number).
 
     Returns:
-        ``(group, num_groups)``: int32 [n] (int64 from 2^31 groups), the group of each sample, and the
-        number of groups.
+        ``(group, group_packs)``: int32 [n] (int64 from 2^31 groups), the group of each sample, and
+        int64 [num_groups], the packs of each group; a group's work is the total times its share
+        of the packs.
     """
     total = float(work.sum())
-    # enough groups for the tokens as well: a group holds at most GROUP_PACKS * m_mem tokens
-    num_groups = max(1, round(total / group_work), math.ceil(tokens / (GROUP_PACKS * m_mem)))
+    steps = max(1, round(total / pack_work / world_size), math.ceil(tokens / m_mem / world_size))
+    num_packs = steps * world_size
+    num_groups = -(-num_packs // GROUP_PACKS)
+    group_packs = np.full(num_groups, num_packs // num_groups, dtype=np.int64)
+    group_packs[:num_packs % num_groups] += 1
+    ends = np.cumsum(group_packs) / num_packs  # share of the work up to the end of each group
     fine = work <= fine_work
-    ends = np.arange(1, num_groups + 1)
     coarse = work[~fine]
     coarse_cum = np.cumsum(coarse)
     coarse_total = float(coarse_cum[-1]) if coarse.size else 0.0
-    # the coarse sample whose middle lies in ((k-1) c/K, k c/K] joins group k (c = coarse work, K groups)
-    coarse_group = np.clip(np.ceil((coarse_cum - coarse / 2) / (coarse_total / num_groups)).astype(np.int64) - 1,
-                           0, num_groups - 1) if coarse.size else np.zeros(0, dtype=np.int64)
+    # the coarse sample whose middle lies in (ends[k-1] c, ends[k] c] joins group k (c = coarse work)
+    coarse_group = np.minimum(np.searchsorted(ends * coarse_total, coarse_cum - coarse / 2), num_groups - 1)
     coarse_upto = np.cumsum(np.bincount(coarse_group, weights=coarse, minlength=num_groups))
-    # the fine stream tops each group up to the same total: groups 1..k end at k * total / K
+    # the fine stream tops each group up to its share: groups 0..k end at ends[k] * total
     finer = work[fine]
     fine_cum = np.cumsum(finer)
-    fine_ends = np.maximum.accumulate(np.clip(ends * (total / num_groups) - coarse_upto, 0.0,
+    fine_ends = np.maximum.accumulate(np.clip(ends * total - coarse_upto, 0.0,
                                               float(fine_cum[-1]) if finer.size else 0.0))
     group = np.empty(work.size, dtype=np.int32 if num_groups < 2**31 else np.int64)
     group[~fine] = coarse_group
     group[fine] = np.minimum(np.searchsorted(fine_ends, fine_cum - finer / 2), num_groups - 1)
-    return group, num_groups
+    return group, group_packs
 
 
-def _lpt(group, seq, work, num_groups: int, m_mem: int, shortest: int) -> np.ndarray:
-    """Step 3: longest processing time first within every group, all groups at once.
+def _lpt(group, seq, work, group_packs, m_mem: int) -> np.ndarray:
+    """Step 3: longest processing time first within every group, all groups at once, under the token
+    limit.
+
+    A group's packs aim at its water level ``B``: its work per pack, leaving out the samples longer
+    than that and as many packs (such a sample alone passes ``B``; :data:`WATER_LEVEL_ROUNDS`). Each sample
+    (work w, S tokens) goes to the pack with the most work left per token left,
+    ``(B - load) / (m_mem - tokens)``, among those with room for it below ``B``
+    (``tokens + S <= m_mem`` and ``load + w <= B``); when no pack has, to the least-loaded pack with
+    room for it (plain LPT). As in LPT, the packs then end within one sample's work of each other
+    where tokens do not bind (a pack passes ``B`` only as the least loaded). The samples come in order
+    of falling work, so of falling work per token (``w(S) / S`` grows with S for a cost model convex
+    in S), and the ratio sends the denser ones, while they last, to the packs that took samples of few
+    seconds per token -- which would otherwise fill up with tokens before they reach ``B``, and leave
+    their work to the others.
 
     Args:
         group: int [n], sorted; seq (tokens, int), work (seconds, float): [n] of the samples in
             that order, work descending within each group (so tokens too: work grows with S).
-        num_groups: groups; m_mem: tokens per pack; shortest: tokens of the shortest sample.
+        group_packs: int [num_groups], packs of each group (1 .. GROUP_PACKS); m_mem: tokens per pack.
 
     Returns:
-        int8 [n]: the pack (0 .. GROUP_PACKS - 1) of its group each sample joins, -1 when it fits in none.
+        int8 [n]: the pack (0 .. group_packs - 1) of its group each sample joins, -1 when it fits in none.
     """
+    group_packs = np.asarray(group_packs)
+    num_groups = group_packs.size
     counts = np.bincount(group, minlength=num_groups)
     width = int(counts.max())
     # every group's samples in a row of `width` cells (written in order: the samples are sorted by
@@ -382,31 +435,71 @@ def _lpt(group, seq, work, num_groups: int, m_mem: int, shortest: int) -> np.nda
     table_seq, table_work = table(seq, np.int32), table(work, np.float32)
     table_slot = np.full((width, num_groups), -1, dtype=np.int8)
     active = np.searchsorted(-counts[by_count], -np.arange(width), side="left")  # groups with more than j samples
-    # the choice uses float32 loads (exact times are summed later); a pack without room for the
-    # shortest sample gets an infinite load, so argmin passes it over
-    loads = np.zeros((num_groups, GROUP_PACKS), dtype=np.float32)
-    tokens = np.zeros((num_groups, GROUP_PACKS), dtype=np.int32)
+    packs = group_packs[by_count]
+    # B: the group's work over its packs -- without the samples longer than that, each alone in a pack
+    # over it, and their packs (found in a few rounds; they are the first rows of the table)
+    total = np.bincount(group, weights=work, minlength=num_groups)[by_count]
+    level = total / packs
+    for _ in range(WATER_LEVEL_ROUNDS):
+        alone, alone_work = np.zeros(num_groups), np.zeros(num_groups)
+        for j, cols in enumerate(active.tolist()):
+            over = table_work[j, :cols] > level[:cols]
+            if not over.any():
+                break
+            alone[:cols] += over
+            alone_work[:cols] += np.where(over, table_work[j, :cols], 0.0)
+        level = np.where(alone < packs, (total - alone_work) / np.maximum(packs - alone, 1), level)
+    target = level.astype(np.float32)
+    # per pack: float32 work left to B, int32 tokens left to m_mem and their ratio (exact times are
+    # summed later); a group's packs past its own number have neither and are never chosen
+    exists = np.arange(GROUP_PACKS) < packs[:, None]
+    work_left = np.where(exists, target[:, None], -np.inf).astype(np.float32)
+    tokens_left = np.where(exists, m_mem, 0).astype(np.int32)
+    # the ratio in float64, kept in float32 (as updated below)
+    need = np.where(exists, work_left / np.float64(m_mem), -np.inf).astype(np.float32)
     first = np.arange(num_groups) * GROUP_PACKS
-    flat_loads, flat_tokens = loads.reshape(-1), tokens.reshape(-1)
+    flat_work, flat_tokens, flat_need = work_left.reshape(-1), tokens_left.reshape(-1), need.reshape(-1)
     for j, cols in enumerate(active.tolist()):
         s, w = table_seq[j, :cols], table_work[j, :cols]
-        cell = first[:cols] + loads[:cols].argmin(axis=1)
-        full = np.flatnonzero(flat_tokens[cell] + s > m_mem)  # the least-loaded pack has no room for it
-        if full.size:
-            room = tokens[full] + s[full, None] <= m_mem
-            pick = np.where(room, loads[full], np.inf).argmin(axis=1)
-            fits = room[np.arange(full.size), pick]
-            cell[full] = np.where(fits, first[full] + pick, -1)
-        placed = cell >= 0
-        table_slot[j, :cols] = np.where(placed, cell - first[:cols], -1)
-        if full.size:
-            cell, s, w = cell[placed], s[placed], w[placed]
-        flat_loads[cell] += w
-        flat_tokens[cell] += s
-        flat_loads[cell[flat_tokens[cell] > m_mem - shortest]] = np.inf  # no room left for any sample
+        pick = np.where(work_left[:cols] >= w[:, None], need[:cols], -np.inf).argmax(axis=1)
+        cell = first[:cols] + pick
+        # the neediest pack under B has no room for the sample, or no pack is under B (the last samples)
+        redo = np.flatnonzero((flat_tokens[cell] < s) | (flat_work[cell] < w))
+        if redo.size:
+            room = tokens_left[redo] >= s[redo, None]
+            under = room & (work_left[redo] >= w[redo, None])
+            best = np.where(under, need[redo], -np.inf).argmax(axis=1)
+            least = np.where(room, -work_left[redo], np.inf).argmin(axis=1)  # the least loaded with room
+            rows = np.arange(redo.size)
+            pick[redo] = np.where(under[rows, best], best, np.where(room[rows, least], least, -1))
+            cell = first[:cols] + pick
+        table_slot[j, :cols] = pick
+        if redo.size:
+            cell, s, w = cell[pick >= 0], s[pick >= 0], w[pick >= 0]
+        flat_work[cell] -= w
+        flat_tokens[cell] -= s
+        flat_need[cell] = flat_work[cell] / np.maximum(flat_tokens[cell], 1)
     slot = np.empty((num_groups, width), dtype=np.int8)
     slot[by_count] = table_slot.T
     return slot.reshape(-1)[item_cell]
+
+
+def _top_up(room, seq) -> np.ndarray:
+    """Step 3's last samples: the longest waiting sample joins the pack with the most room, the next
+    the pack with the next most, and so on, where it fits.
+
+    Args:
+        room: int [num_packs], tokens each pack has left (negative: no pack); seq: int [n] tokens of
+            the waiting samples, n <= num_packs.
+
+    Returns:
+        int64 [n]: the pack each sample joins, -1 where it does not fit.
+    """
+    by_size = np.argsort(-seq, kind="stable")
+    roomiest = np.argsort(-room, kind="stable")[:seq.size]
+    pack = np.full(seq.size, -1, dtype=np.int64)
+    pack[by_size] = np.where(room[roomiest] >= seq[by_size], roomiest, -1)
+    return pack
 
 
 def _form_steps(times, world_size: int, rng: np.random.Generator) -> np.ndarray:
@@ -420,7 +513,10 @@ def _form_steps(times, world_size: int, rng: np.random.Generator) -> np.ndarray:
         int64 [ceil(num_packs / W), W]: pack ids, -1 for the padding packs of the last step.
     """
     num_packs = times.size
-    band = np.floor(times / (LOAD_TOLERANCE * float(np.median(times)))).astype(np.int64)
+    median = float(np.median(times))
+    # bands centred on the median: the packs near it, most of them, are one band
+    band = np.rint((times - median) / (LOAD_TOLERANCE * median)).astype(np.int64)
+    band -= band.min()
     window = np.arange(num_packs) // (STEP_WINDOW * world_size)
     shuffled = rng.permutation(num_packs)
     key = window[shuffled] * (int(band.max()) + 1) + band[shuffled]

@@ -21,9 +21,12 @@ reported next to every plan for comparison.
 Policy ``packed`` (:class:`~adaptiveload.sched.packing.PackingSampler`): ``M_mem`` is the memory limit
 per rank (fewer tokens per pack would only take choices from the packer), and the step budget -- each
 pack's predicted time -- is searched over :data:`PACKED_BUDGETS` values between a fraction of the
-longest sample's time and a bit above the time of a pack filled to the limit with the corpus's mix.
+longest sample's time and a bit above the time of a pack filled to the limit with the corpus's mix,
+and the time of a pack of the longest sample alone (the smallest budget every pack can reach; often
+the best, as the packs of the longest samples then need no other sample to reach it).
 Each budget is scored by packing an epoch of (at most :data:`PACKED_PLAN_SAMPLES` of) the corpus's
-samples with the packer itself: tokens / sum over steps of the slowest rank's predicted time. Among
+samples with the packer itself: tokens / sum over steps of the slowest rank's predicted time, over
+the steps in which every rank has a pack (:func:`packed_throughput`). Among
 the budgets within :data:`PACKED_TIE` of the best score -- differences the cost model does not
 resolve -- the plan keeps the one whose steps are closest to random samples (the lowest
 ``composition_ks`` of :func:`~adaptiveload.sched.metrics.composition`): a budget below the longest
@@ -129,17 +132,22 @@ def packed_throughput(cost_model: CostModel, shapes_or_seq_lens, m_mem: int, ste
 
     Returns:
         dict as :func:`predicted_throughput`: ``tokens_per_s`` (tokens / sum of the slowest rank's time
-        per step; padding packs count no tokens), ``step_time_s``, ``mean_batch_time_s`` (mean rank
-        time) and ``idle`` (``1 - mean/step``); and ``composition_ks``
-        (:func:`~adaptiveload.sched.metrics.composition` of the epoch's steps).
+        per step), ``step_time_s``, ``mean_batch_time_s`` (mean rank time) and ``idle``
+        (``1 - mean/step``), over the steps in which every rank trains a pack (all steps when none
+        is: the epoch's last step, partly padding, is one step of an epoch whatever its length, and
+        would weigh more on a subset of the corpus than in the epoch); and ``composition_ks``
+        (:func:`~adaptiveload.sched.metrics.composition` of all the epoch's steps).
     """
     packing = PackingSampler(shapes_or_seq_lens, m_mem, step_budget_s, cost_model, num_replicas=world_size, rank=0,
                              patch_size=patch_size).epoch_plan(0)
-    costs = packing.step_costs(cost_model)
+    full = (packing.step_packs >= 0).all(axis=1)
+    if not full.any():
+        full[:] = True
+    costs = packing.step_costs(cost_model)[full]
     step = float(costs.max(axis=1).mean())
     mean = float(costs.mean())
     ks, _ = composition(*packing.step_samples(), packing.seq_lens)
-    return {"tokens_per_s": float(packing.step_tokens().sum()) / (step * packing.num_steps), "step_time_s": step,
+    return {"tokens_per_s": float(packing.step_tokens()[full].sum()) / (step * costs.shape[0]), "step_time_s": step,
             "mean_batch_time_s": mean, "idle": 1.0 - mean / step, "composition_ks": ks}
 
 
@@ -467,7 +475,8 @@ def _packed_budget(manifest: Manifest, inverse, over, seq, counts, cost: CostMod
     longest = float(work[~over].max())  # a pack must hold the longest sample ...
     full = m_mem * float(np.sum(weight * work) / np.sum(weight * seq))  # ... and holds m_mem tokens of the mix
     intercept = float(cost.predict_packs([], [0])[0])
-    budgets = intercept + np.geomspace(0.6 * min(longest, full), 1.2 * max(longest, full), PACKED_BUDGETS)
+    budgets = intercept + np.union1d(np.geomspace(0.6 * min(longest, full), 1.2 * max(longest, full), PACKED_BUDGETS),
+                                     [longest])
     scores = [packed_throughput(cost, samples, m_mem, float(b), world_size, patch_size=manifest.patch_size)
               for b in budgets]
     best = max(score["tokens_per_s"] for score in scores)

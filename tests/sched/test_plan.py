@@ -6,8 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from adaptiveload.sched import Calibration, DualConstraintBucketSampler, Manifest, Plan, make_plan, reference_mix
+from adaptiveload.sched import (Calibration, DualConstraintBucketSampler, Manifest, PackingSampler, Plan, make_plan,
+                                reference_mix)
 from adaptiveload.sched.cost_model import QuadraticCostModel
+from adaptiveload.sched.metrics import composition
 from adaptiveload.sched.plan import (PACKED_BUDGETS, PACKED_TIE, batch_mix, packed_throughput, predicted_throughput,
                                      rule_batch_sizes)
 from adaptiveload.sched.presets import load_calibration
@@ -159,6 +161,21 @@ def test_old_policy_names_in_make_plan_and_plan_files(old, new, order, tmp_path)
     path.write_text(json.dumps({**plan.to_json(), "policy": "greedy"}))
     with pytest.raises(ValueError, match=r"old\.json: field 'policy': unknown policy 'greedy'"):
         Plan.load(path)
+
+
+def test_packed_throughput_scores_the_steps_every_rank_trains():
+    """Three samples too long to share a pack, on two ranks: two steps, the second with one rank padded.
+    The score is that of the first step alone (tokens / its slowest rank), the composition that of both."""
+    seq = np.array([600, 700, 800])
+    score = packed_throughput(COST, seq, 1000, 0.05, 2)
+    ep = PackingSampler(seq, 1000, 0.05, COST, num_replicas=2, rank=0).epoch_plan(0)
+    full = (ep.step_packs >= 0).all(axis=1)
+    assert full.tolist().count(True) == 1 and ep.num_steps == 2
+    first = seq[[i for r in range(2) for i in ep.indices(int(np.flatnonzero(full)[0]), r)]]
+    times = COST.c0 + COST.per_sample(first)
+    assert score["tokens_per_s"] == pytest.approx(first.sum() / times.max(), rel=1e-12)
+    assert score["idle"] == pytest.approx(1 - times.mean() / times.max(), rel=1e-12)
+    assert score["composition_ks"] == pytest.approx(composition(*ep.step_samples(), seq)[0], rel=1e-12)
 
 
 def test_packed_plan_budget_rows_and_prediction():

@@ -226,16 +226,17 @@ def _relative(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("samples, padding", [(40, 0), (31, 1)])
+@pytest.mark.parametrize("samples, m_mem, padding", [(40, 2100, 0), (25, 1050, 1)])
 def test_two_gloo_ranks_train_every_sample_once_like_one_process(tmp_path, run_cli, checkpoint_weights, samples,
-                                                                  padding):
+                                                                  m_mem, padding):
     """Two ranks, FSDP2 over gloo, one epoch of packs: every sample trained exactly once (per the
-    history), a padding pack (31 samples: 31 packs) counted nowhere, and every step's loss and the
-    final weights equal a one-process run of the same steps' samples each alone through forward
-    (1e-5 relative; measured 6e-7 for the losses and 9e-8 for the weights, which moved 8e-2)."""
+    history), a padding pack (25 samples at M_mem 1,050: 7 packs, memory-bound) counted nowhere, and
+    every step's loss and the final weights equal a one-process run of the same steps' samples each
+    alone through forward (1e-5 relative; measured 6e-7 for the losses and 9e-8 for the weights,
+    which moved 8e-2)."""
     out = tmp_path / "out"
-    proc = run_cli("train", *PACKED, "--samples", samples, "--lr", "1e-3", "--checkpoint-every", "1000", "--out", out,
-                   nproc=2, timeout=200)
+    proc = run_cli("train", *PACKED, "--m-mem", m_mem, "--samples", samples, "--lr", "1e-3", "--checkpoint-every",
+                   "1000", "--out", out, nproc=2, timeout=200)  # the last --m-mem counts
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = _run(out)
     history = run["history"]
