@@ -199,7 +199,7 @@ def _good():
     "bad, match",
     [
         (dict(scale=torch.randn(2, 1, 7)), r"scale \(shape \[2, 1, 7\].* does not broadcast over x of shape \[2, 5"),
-        (dict(scale=torch.randn(3, 1, 8)), r"scale \(shape \[3, 1, 8\].* expected \[B, 1, \.\.\., 1, D\]"),
+        (dict(scale=torch.randn(3, 1, 8)), r"scale \(shape \[3, 1, 8\].*\(its batch 3 is neither 1 nor x's batch 2\): expected \[B, 1, \.\.\., 1, D\]"),
         (dict(scale=torch.randn(2, 8)), r"scale \(shape \[2, 8\].*not a supported modulation layout"),
         (dict(shift=torch.randn(2, 4, 8)), r"shift \(shape \[2, 4, 8\]"),
         (dict(x=torch.randn(2, 5, 9)), r"scale \(shape \[2, 1, 8\].*x of shape \[2, 5, 9\]"),  # wrong D

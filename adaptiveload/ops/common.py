@@ -76,8 +76,10 @@ def modulation_layout(mod_shape, x_shape) -> str:
             return SHARED if batch == 1 and x_shape[0] != 1 else PER_SAMPLE
         if middle == x_middle:
             return PER_TOKEN
+    why = (f" (its batch {batch} is neither 1 nor x's batch {x_shape[0]})" if batch not in (1, x_shape[0])
+           else "")
     raise ValueError(
-        f"shape {mod_shape} is not a supported modulation layout for x of shape {x_shape}: expected "
+        f"shape {mod_shape} is not a supported modulation layout for x of shape {x_shape}{why}: expected "
         f"[B, 1, ..., 1, D] (per-sample), [B or 1, {', '.join(map(str, x_middle)) or 'N'}, D] (per-token) "
         f"or [D] (shared)"
     )

@@ -305,7 +305,7 @@ def _bad(**changes):
 
 @pytest.mark.parametrize("kwargs, words", [
     (_bad(y=torch.randn(2, 1, 8)), ["y (shape [2, 1, 8]", "the shape of x [2, 5, 8]"]),
-    (_bad(gate=torch.randn(3, 1, 8)), ["gate (shape [3, 1, 8]", "not a supported modulation layout"]),
+    (_bad(gate=torch.randn(3, 1, 8)), ["gate (shape [3, 1, 8]", "its batch 3 is neither 1 nor x's batch 2"]),
     (_bad(gate=torch.randn(2, 5, 4)), ["gate (shape [2, 5, 4]"]),
     (_bad(weight=torch.randn(7)), ["weight (shape [7]", "must have shape [8]"]),
     (_bad(scale=None), ["shift is given without scale"]),
