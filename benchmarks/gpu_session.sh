@@ -23,6 +23,10 @@
 #              16384; x of 512 MiB; the kernels' own choices)
 #   rms        benchmarks/bench_rms_norm.py (rms_norm_modulate: op times against SoL, determinism,
 #              accuracy against Inductor; RMS_ARGS) -> $OUT/rms_norm_${RMS_TAG:-h200}.json / .md
+#   residual   the residual ops (csrc/residual_norm_modulate/): their CUDA tests (tests/ops/
+#              test_residual_norm_modulate.py and tests/fxfuse/test_residual.py -m cuda, RESIDUAL_TESTS_TIMEOUT)
+#              -> $OUT/residual_tests.log, then benchmarks/bench_residual.py (op times against SoL, determinism,
+#              accuracy against Inductor; RESIDUAL_ARGS) -> $OUT/residual_${RESIDUAL_TAG:-h200}.json / .md
 #   ltx        benchmarks/bench_ltx_step.py (diffusers LTX-Video training step, backend vs Inductor; needs
 #              diffusers as a wheel in .whl; LTX_ARGS) -> $OUT/ltx_step_${LTX_TAG:-h200}.json / .md
 #   ab         kernel_stages.py ${AB_STAGE:-ab} (ab: kernel timings; host: host time a call) for AB_BASE
@@ -112,6 +116,15 @@ if want rms; then
   timeout ${RMS_TIMEOUT:-240} python3 benchmarks/bench_rms_norm.py --out "$OUT" --tag "${RMS_TAG:-h200}" ${RMS_ARGS:-} \
     >"$OUT/rms.log" 2>&1
   echo "rms: exit $?"; cat "$OUT/rms.log"
+fi
+if want residual; then
+  timeout ${RESIDUAL_TESTS_TIMEOUT:-240} python3 -m pytest tests/ops/test_residual_norm_modulate.py \
+    tests/fxfuse/test_residual.py -m cuda -q -p no:cacheprovider --durations=10 -W ignore::DeprecationWarning \
+    >"$OUT/residual_tests.log" 2>&1
+  echo "residual tests: exit $?"; tail -15 "$OUT/residual_tests.log"
+  timeout ${RESIDUAL_TIMEOUT:-300} python3 benchmarks/bench_residual.py --out "$OUT" --tag "${RESIDUAL_TAG:-h200}" \
+    ${RESIDUAL_ARGS:-} >"$OUT/residual.log" 2>&1
+  echo "residual: exit $?"; cat "$OUT/residual.log"
 fi
 if want ltx; then
   timeout ${LTX_TIMEOUT:-400} python3 benchmarks/bench_ltx_step.py --out "$OUT" --tag "${LTX_TAG:-h200}" ${LTX_ARGS:-} \

@@ -1,5 +1,7 @@
 // Python bindings of the fused norm -> modulate kernels (forward / backward: LayerNorm, for
-// adaln_modulate; rms_forward / rms_backward: RMSNorm, for rms_norm_modulate): validate every input
+// adaln_modulate; rms_forward / rms_backward: RMSNorm, for rms_norm_modulate; residual_forward /
+// residual_backward and residual_rms_*: the residual ops, whose bodies are in
+// residual_norm_modulate/residual_ops.cu): validate every input
 // at the boundary (one TORCH_CHECK per constraint, naming the tensor and what was expected), allocate
 // the outputs and launch on the current stream. The ops' dispatcher kernels for CUDA tensors
 // (norm_modulate_dispatch.cu) call op_forward / op_backward; the bindings serve the ops' Python CUDA
@@ -50,8 +52,8 @@ void launch_forward(const FwdArgs& a, cudaStream_t stream) {
   else launch_forward_norm<Norm::Layer>(a, stream);
 }
 
-namespace {
-
+// The helpers below (and the residual ops' bodies in csrc/residual_norm_modulate/residual_ops.cu) use
+// these; the ones declared in norm_modulate_ops.h are shared with that file.
 using at::Tensor;
 using c10::optional;
 
@@ -119,19 +121,6 @@ void check_mod_dtype(const Tensor& m, const Tensor& x, const char* name) {
   TORCH_CHECK(m.scalar_type() == x.scalar_type() || m.scalar_type() == at::kFloat, "norm_modulate kernels: ", name,
               " must be float32 or x's dtype ", x.scalar_type(), ", got ", m.scalar_type());
 }
-
-// Kernel choices a benchmark or test may force (adaptiveload/ops/_tuning.py: override); each
-// default is "the launcher's choice", from the shape, the dtypes, the layout and the device, which
-// is what every call makes unless an override is set. Process-wide.
-struct Tuning {
-  int max_threads = 0;      // FwdArgs / BwdArgs::max_threads: 0 automatic, else 32..kMaxThreads
-  int fwd_stages = -1;      // FwdArgs::stages: -1 automatic, 0 the register path, 2..kMaxStages
-  int bwd_stages = -1;      // BwdArgs::stages, likewise
-  int store = -1;           // FwdArgs::store: -1 automatic, 0 threads, 1 bulk
-  int tail_pct = -1;        // FwdArgs::tail_pct: -1 automatic, 0..50
-  int tail_rows = 8;        // FwdArgs::tail_rows: 1..65536
-  bool two_kernel = false;  // BwdArgs::two_kernel: true forces the two-kernel backward everywhere
-};
 
 std::mutex tuning_mutex;
 Tuning tuning_set;                    // guarded by tuning_mutex
@@ -398,8 +387,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rms_backward(const Tensor& dy, const 
   return {g[0], g[1], g[3], g[4]};
 }
 
-}  // namespace
-
 // The ops' CUDA bodies (norm_modulate_ops.h), for the dispatcher kernels (norm_modulate_dispatch.cu)
 // and the bindings below.
 // {y, mean (undefined for RMSNorm), rstd} in x's shape, y in out_dtype, the per-row statistics in
@@ -438,7 +425,8 @@ std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x,
 }  // namespace adaln
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Fused norm -> adaptive modulation CUDA kernels (adaptiveload): LayerNorm and RMSNorm";
+  m.doc() = "Fused norm -> adaptive modulation CUDA kernels (adaptiveload): LayerNorm and RMSNorm, with or without "
+            "the residual update in front";
   m.def("forward", &adaln::adaln_forward,
         "y, mean, rstd = forward(x[B,...,D], weight?, bias?, scale, shift?, eps, out_dtype): "
         "the CUDA body of adaptiveload::adaln_modulate (inputs validated by the caller)",
@@ -457,6 +445,58 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dx, dweight, dscale, dshift = rms_backward(dy, x, weight?, scale, shift?, rstd): the CUDA body of "
         "adaptiveload::rms_norm_modulate_backward",
         py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("shift"), py::arg("rstd"));
+  m.def("residual_forward",
+        [](const at::Tensor& x, const at::Tensor& y, const c10::optional<at::Tensor>& gate,
+           const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+           const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& shift, double eps,
+           at::ScalarType r_dtype, at::ScalarType out_dtype) {
+          auto o = adaln::residual_op_forward(adaln::Norm::Layer, x, y, gate, weight, bias, scale, shift, eps, r_dtype,
+                                              out_dtype);
+          return std::make_tuple(o[0], o[1], o[2], o[3]);
+        },
+        "r, out, mean, rstd = residual_forward(x[B,...,D], y, gate?, weight?, bias?, scale?, shift?, eps, r_dtype, "
+        "out_dtype): the CUDA body of adaptiveload::residual_adaln_modulate (inputs validated by the caller)",
+        py::arg("x"), py::arg("y"), py::arg("gate"), py::arg("weight"), py::arg("bias"), py::arg("scale"),
+        py::arg("shift"), py::arg("eps"), py::arg("r_dtype"), py::arg("out_dtype"));
+  m.def("residual_backward",
+        [](const at::Tensor& dout, const c10::optional<at::Tensor>& dr, const at::Tensor& r,
+           const c10::optional<at::Tensor>& y, const c10::optional<at::Tensor>& gate,
+           const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+           const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& shift, const at::Tensor& mean,
+           const at::Tensor& rstd, at::ScalarType x_dtype) {
+          auto g = adaln::residual_op_backward(adaln::Norm::Layer, dout, dr, r, y, gate, weight, bias, scale, shift,
+                                               mean, rstd, x_dtype);
+          return std::make_tuple(g[0], g[1], g[2], g[3], g[4], g[5], g[6]);
+        },
+        "dx, dy, dgate, dweight, dbias, dscale, dshift = residual_backward(dout, dr?, r, y?, gate?, weight?, bias?, "
+        "scale?, shift?, mean, rstd, x_dtype): the CUDA body of adaptiveload::residual_adaln_modulate_backward",
+        py::arg("dout"), py::arg("dr"), py::arg("r"), py::arg("y"), py::arg("gate"), py::arg("weight"),
+        py::arg("bias"), py::arg("scale"), py::arg("shift"), py::arg("mean"), py::arg("rstd"), py::arg("x_dtype"));
+  m.def("residual_rms_forward",
+        [](const at::Tensor& x, const at::Tensor& y, const c10::optional<at::Tensor>& gate,
+           const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
+           const c10::optional<at::Tensor>& shift, double eps, at::ScalarType r_dtype, at::ScalarType out_dtype) {
+          auto o = adaln::residual_op_forward(adaln::Norm::RMS, x, y, gate, weight, c10::nullopt, scale, shift, eps,
+                                              r_dtype, out_dtype);
+          return std::make_tuple(o[0], o[1], o[3]);
+        },
+        "r, out, rstd = residual_rms_forward(x[B,...,D], y, gate?, weight?, scale?, shift?, eps, r_dtype, out_dtype): "
+        "the CUDA body of adaptiveload::residual_rms_norm_modulate",
+        py::arg("x"), py::arg("y"), py::arg("gate"), py::arg("weight"), py::arg("scale"), py::arg("shift"),
+        py::arg("eps"), py::arg("r_dtype"), py::arg("out_dtype"));
+  m.def("residual_rms_backward",
+        [](const at::Tensor& dout, const c10::optional<at::Tensor>& dr, const at::Tensor& r,
+           const c10::optional<at::Tensor>& y, const c10::optional<at::Tensor>& gate,
+           const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
+           const c10::optional<at::Tensor>& shift, const at::Tensor& rstd, at::ScalarType x_dtype) {
+          auto g = adaln::residual_op_backward(adaln::Norm::RMS, dout, dr, r, y, gate, weight, c10::nullopt, scale,
+                                               shift, c10::nullopt, rstd, x_dtype);
+          return std::make_tuple(g[0], g[1], g[2], g[3], g[5], g[6]);
+        },
+        "dx, dy, dgate, dweight, dscale, dshift = residual_rms_backward(dout, dr?, r, y?, gate?, weight?, scale?, "
+        "shift?, rstd, x_dtype): the CUDA body of adaptiveload::residual_rms_norm_modulate_backward",
+        py::arg("dout"), py::arg("dr"), py::arg("r"), py::arg("y"), py::arg("gate"), py::arg("weight"),
+        py::arg("scale"), py::arg("shift"), py::arg("rstd"), py::arg("x_dtype"));
   m.def("set_tuning", &adaln::set_tuning,
         "force kernel choices, process-wide (adaptiveload.ops._tuning.override; benchmarks and tests): "
         "max_threads (0: automatic), fwd_stages / bwd_stages (-1: automatic), store (-1: automatic, 0 threads, "

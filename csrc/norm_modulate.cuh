@@ -46,6 +46,9 @@ struct ModView {
   const void* ptr = nullptr;  // nullptr: absent (shift only)
   int64_t sb = 0;             // batch stride in elements (0: one row for every sample)
   int64_t sn = 0;             // token stride in elements (0: the same row for every token)
+  // The tensor's dtype, read by the residual kernels (each modulation in its own dtype); the
+  // norm -> modulate kernels take scale's and shift's from FwdArgs::mt / BwdArgs::mt instead.
+  DType t = DType::F32;
 };
 
 struct FwdArgs {
@@ -122,21 +125,23 @@ struct RowShape {
 };
 // The fewest chunks a thread with at most `max_threads` threads (0: kMaxThreads) a row.
 RowShape row_shape(int D, DType xt, int max_threads);
+// The same for a thread loading `vec` elements at a time (row_shape: 16 bytes of xt).
+RowShape row_shape_vec(int D, int vec, int max_threads);
 // The shape of a ring kernel that takes at most `ring_chunks` chunks a thread. Automatic
 // (max_threads == 0): the first of 128 and 256 threads a row whose chunk count fits, else
 // row_shape(D, xt, 0). Fewer threads a row (more chunks each) measured faster on the H200 rings
 // (bf16, N = 65536, B = 2): forward D = 3072 85% of SoL at 96 threads x 4 chunks, 80% at 384 x 1;
 // backward D = 1536 86% at 96 x 2, 79% at 192 x 1 (benchmarks/KERNEL_NOTES.md, v7).
 RowShape ring_row_shape(int D, DType xt, int max_threads, int ring_chunks);
-// f(std::integral_constant<int, C>{}) for a chunk count known at run time (1, 2, 4 or 8)
-template <typename F>
+// f(std::integral_constant<int, C>{}) for a chunk count known at run time (1, 2, 4 or 8; kMax when
+// more, so that a kernel family instantiated up to kMax chunks only compiles those)
+template <int kMax = kMaxChunks, typename F>
 void with_chunk_count(int chunks, const F& f) {
-  switch (chunks) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
-  }
+  static_assert(kMax == 1 || kMax == 2 || kMax == 4 || kMax == 8, "chunk counts are powers of two up to 8");
+  if (chunks <= 1 || kMax == 1) f(std::integral_constant<int, 1>{});
+  else if (chunks == 2 || kMax == 2) f(std::integral_constant<int, (kMax < 2 ? 1 : 2)>{});
+  else if (chunks == 4 || kMax == 4) f(std::integral_constant<int, (kMax < 4 ? 2 : 4)>{});
+  else f(std::integral_constant<int, kMax>{});
 }
 // Ring slots of `ring_kernel` for `requested` (FwdArgs::stages: -1 automatic, 0 none,
 // 2..kMaxStages), or 0 where the ring cannot run: not `eligible` (unaligned rows), a GPU or a build
@@ -491,6 +496,180 @@ struct CoefRow {
     }
   }
 };
+
+// ---------------------------------------------------------------------------------------------
+// Rows of a dtype known at run time (the residual kernels: x, y, dout, dr and each modulation in its
+// own dtype). VEC elements travel as raw words in a Raw<float, VEC> (a 16-bit dtype fills its first
+// half), so that a prefetched row stays raw until it is used (converting it right after the load
+// would wait for the load); any_to_f converts, store_any rounds once to the dtype.
+
+__host__ __device__ inline int dtype_bytes(DType t) { return t == DType::F32 ? 4 : 2; }
+
+// `p` advanced by `i` elements of dtype t.
+__host__ __device__ inline const void* elem_ptr(const void* p, DType t, int64_t i) {
+  return static_cast<const char*>(p) + i * dtype_bytes(t);
+}
+__host__ __device__ inline void* elem_ptr(void* p, DType t, int64_t i) {
+  return static_cast<char*>(p) + i * dtype_bytes(t);
+}
+
+template <int VEC>
+using AnyRaw = Raw<float, VEC>;
+
+// Call f(T{}) with T the C++ element type of t (float, __nv_bfloat16 or __half).
+template <typename F>
+__device__ __forceinline__ void with_dtype(DType t, const F& f) {
+  switch (t) {
+    case DType::BF16: f(__nv_bfloat16{}); break;
+    case DType::F16: f(__half{}); break;
+    default: f(float{}); break;
+  }
+}
+
+// VEC elements of a row of dtype t from column col (load_raw's bounds and alignment rules).
+template <int VEC>
+__device__ __forceinline__ AnyRaw<VEC> load_any(const void* __restrict__ p, DType t, int col, int D, bool aligned) {
+  AnyRaw<VEC> r;
+  with_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    static_assert(sizeof(Raw<T, VEC>) <= sizeof(AnyRaw<VEC>), "raw words must fit");
+    *reinterpret_cast<Raw<T, VEC>*>(&r) = load_raw<T, VEC>(static_cast<const T*>(p), col, D, aligned);
+  });
+  return r;
+}
+
+template <int VEC>
+__device__ __forceinline__ void any_to_f(const AnyRaw<VEC>& r, DType t, float (&out)[VEC]) {
+  with_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    const Raw<T, VEC>& v = *reinterpret_cast<const Raw<T, VEC>*>(&r);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = to_f<T>(v.v[j]);
+  });
+}
+
+template <int VEC>
+__device__ __forceinline__ void load_any_f(const void* __restrict__ p, DType t, int col, int D, bool aligned,
+                                           float (&out)[VEC]) {
+  any_to_f<VEC>(load_any<VEC>(p, t, col, D, aligned), t, out);
+}
+
+template <int VEC>
+__device__ __forceinline__ void store_any(void* __restrict__ p, DType t, int col, int D, bool aligned,
+                                          const float (&in)[VEC]) {
+  with_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    store_f<T, VEC>(static_cast<T*>(p), col, D, aligned, in);
+  });
+}
+
+// One element of dtype t, as a float.
+__device__ __forceinline__ float load1(const void* __restrict__ p, DType t, int64_t i) {
+  float v = 0.f;
+  with_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    v = to_f<T>(static_cast<const T*>(p)[i]);
+  });
+  return v;
+}
+
+// Thread `tid`'s C groups of VEC elements of a row of dtype t (as load_chunks), zeros past D.
+template <int VEC, int C>
+__device__ __forceinline__ void load_chunks_any(const void* __restrict__ row, DType t, int D, int threads, int tid,
+                                                bool aligned, AnyRaw<VEC> (&dst)[C]) {
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int col = (c * threads + tid) * VEC;
+    if (col < D) {
+      dst[c] = load_any<VEC>(row, t, col, D, aligned);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) dst[c].v[j] = 0.f;  // zero bits: 0 in every dtype
+    }
+  }
+}
+
+// How a kernel reads and writes a family of row tensors: all of one dtype fixed at compile time
+// (TypedRows<T>: raw rows in T, half the registers of AnyRows for 16-bit T), or each of its own dtype
+// read at run time (AnyRows). The DType arguments are ignored by TypedRows (the launcher picks it only
+// where every such tensor has T's dtype).
+template <typename T>
+struct TypedRows {
+  template <int VEC>
+  using RawT = Raw<T, VEC>;
+  static __host__ __device__ __forceinline__ const void* at(const void* p, DType, int64_t i) {
+    return static_cast<const T*>(p) + i;
+  }
+  static __host__ __device__ __forceinline__ void* at(void* p, DType, int64_t i) { return static_cast<T*>(p) + i; }
+  template <int VEC, int C>
+  static __device__ __forceinline__ void load(const void* row, DType, int D, int threads, int tid, bool aligned,
+                                              RawT<VEC> (&dst)[C]) {
+    load_chunks(static_cast<const T*>(row), D, threads, tid, aligned, dst);
+  }
+  template <int VEC>
+  static __device__ __forceinline__ void to_f(const RawT<VEC>& r, DType, float (&out)[VEC]) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = adaln::to_f<T>(r.v[j]);
+  }
+  template <int VEC>
+  static __device__ __forceinline__ void store(void* row, DType, int col, int D, bool aligned, const float (&in)[VEC]) {
+    store_f<T, VEC>(static_cast<T*>(row), col, D, aligned, in);
+  }
+};
+
+struct AnyRows {
+  template <int VEC>
+  using RawT = AnyRaw<VEC>;
+  static __host__ __device__ __forceinline__ const void* at(const void* p, DType t, int64_t i) {
+    return elem_ptr(p, t, i);
+  }
+  static __host__ __device__ __forceinline__ void* at(void* p, DType t, int64_t i) { return elem_ptr(p, t, i); }
+  template <int VEC, int C>
+  static __device__ __forceinline__ void load(const void* row, DType t, int D, int threads, int tid, bool aligned,
+                                              RawT<VEC> (&dst)[C]) {
+    load_chunks_any<VEC, C>(row, t, D, threads, tid, aligned, dst);
+  }
+  template <int VEC>
+  static __device__ __forceinline__ void to_f(const RawT<VEC>& r, DType t, float (&out)[VEC]) {
+    any_to_f<VEC>(r, t, out);
+  }
+  template <int VEC>
+  static __device__ __forceinline__ void store(void* row, DType t, int col, int D, bool aligned, const float (&in)[VEC]) {
+    store_any<VEC>(row, t, col, D, aligned, in);
+  }
+};
+
+// The final column reduction's sum for one sample b, in a (32, 16) block: thread (tx, ty) sums
+// tiles ty, ty + 16, ... of column d of each plane k that `use` marks (the workspace is
+// [planes, tiles, B, D], `plane` floats apart), then every thread adds the 16 partial sums in a
+// fixed order into s[k] (0 for unmarked planes and d >= D). Every thread of the block must call it
+// (two barriers; `part` is free again when it returns). Deterministic: no atomics.
+template <int NP>
+__device__ __forceinline__ void tile_column_sums(const float* __restrict__ ws, int64_t plane, int64_t tiles, int64_t B,
+                                                 int D, int64_t b, int d, const bool (&use)[NP],
+                                                 float (&part)[NP][16][33], float (&s)[NP]) {
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  float q[NP];
+#pragma unroll
+  for (int k = 0; k < NP; ++k) q[k] = 0.f;
+  if (d < D) {
+    for (int64_t t = ty; t < tiles; t += 16) {
+      const float* p = ws + (t * B + b) * D + d;
+#pragma unroll
+      for (int k = 0; k < NP; ++k)
+        if (use[k]) q[k] += p[k * plane];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < NP; ++k) part[k][ty][tx] = q[k];
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < NP; ++k) {
+    s[k] = 0.f;
+    for (int i = 0; i < 16; ++i) s[k] += part[k][i][tx];
+  }
+  __syncthreads();
+}
 
 // Dynamic shared memory of `arrays` coefficient rows for a block of rs.threads threads.
 inline size_t coef_smem_bytes(int arrays, int chunks, int threads, DType xt) {

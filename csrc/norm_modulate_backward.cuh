@@ -282,49 +282,35 @@ __global__ void __launch_bounds__(256) bwd_col_kernel(const BwdArgs a) {
 
 // Final column reduction: grid ceil(D / 32), block (32, 16). Thread (tx, ty) owns feature
 // d = 32 * blockIdx.x + tx and sums tiles ty, ty + 16, ... of each sample; the 16 partial sums
-// are then added in a fixed order. Writes per-sample rows of dscale/dshift and the dweight/dbias
-// totals (fp32).
+// are then added in a fixed order (tile_column_sums). Writes per-sample rows of dscale/dshift and
+// the dweight/dbias totals (fp32).
 template <typename Tm, bool SPT>
 __global__ void __launch_bounds__(512) bwd_reduce_kernel(const BwdArgs a) {
   __shared__ float part[3][16][33];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int d = blockIdx.x * 32 + tx;
   const int64_t plane = a.tiles * a.B * a.D;
-  const bool r0 = !SPT || a.weight, r1 = !SPT || a.bias, r2 = SPT && a.dshift_rows;
+  const bool use[3] = {!SPT || a.weight != nullptr, !SPT || a.bias != nullptr, SPT && a.dshift_rows != nullptr};
   const Tm* sc = static_cast<const Tm*>(a.scale.ptr);
   const float w = (a.weight && d < a.D) ? a.weight[d] : 1.f;
   const float bb = (a.bias && d < a.D) ? a.bias[d] : 0.f;
   float dw = 0.f, db = 0.f;
   for (int64_t b = 0; b < a.B; ++b) {
-    float q0 = 0.f, q1 = 0.f, q2 = 0.f;
-    if (d < a.D) {
-      for (int64_t t = ty; t < a.tiles; t += 16) {
-        const float* ws = a.ws + (t * a.B + b) * a.D + d;
-        if (r0) q0 += ws[0];
-        if (r1) q1 += ws[plane];
-        if (r2) q2 += ws[2 * plane];
-      }
-    }
-    part[0][ty][tx] = q0;
-    part[1][ty][tx] = q1;
-    part[2][ty][tx] = q2;
-    __syncthreads();
+    float s[3];
+    tile_column_sums<3>(a.ws, plane, a.tiles, a.B, a.D, b, d, use, part, s);
     if (ty == 0 && d < a.D) {
-      float s0 = 0.f, s1 = 0.f, s2 = 0.f;
-      for (int k = 0; k < 16; ++k) s0 += part[0][k][tx], s1 += part[1][k][tx], s2 += part[2][k][tx];
       if (!SPT) {
         const float f = 1.f + to_f<Tm>(sc[b * a.scale.sb + d]);
-        a.dscale_rows[b * a.D + d] = w * s0 + bb * s1;
-        if (a.dshift_rows) a.dshift_rows[b * a.D + d] = s1;
-        dw += f * s0;
-        db += f * s1;
+        a.dscale_rows[b * a.D + d] = w * s[0] + bb * s[1];
+        if (a.dshift_rows) a.dshift_rows[b * a.D + d] = s[1];
+        dw += f * s[0];
+        db += f * s[1];
       } else {
-        dw += s0;
-        db += s1;
-        if (a.dshift_rows) a.dshift_rows[b * a.D + d] = s2;
+        dw += s[0];
+        db += s[1];
+        if (a.dshift_rows) a.dshift_rows[b * a.D + d] = s[2];
       }
     }
-    __syncthreads();
   }
   if (ty == 0 && d < a.D) {
     if (a.dweight) a.dweight[d] = dw;

@@ -80,10 +80,58 @@ bool fast_backward(const Tensor& dy, const Tensor& x, const optional<Tensor>& we
   return fast_like(rstd, x, rows) && (!mean.has_value() || fast_like(*mean, x, rows));
 }
 
+// The residual ops (their kernels read gate, scale and shift each in its own kernel dtype)
+bool fast_rows(const Tensor& x) {
+  return x.is_cuda() && x.dim() >= 2 && x.numel() > 0 && x.size(-1) <= kMaxFeatures && kernel_dtype(x.scalar_type());
+}
+
+bool fast_full(const Tensor& t, const Tensor& x) { return fast_like(t, x, x.sizes()); }
+
+bool fast_any_mod(const optional<Tensor>& m, const Tensor& x) {
+  return !m.has_value() || (m->device() == x.device() && kernel_dtype(m->scalar_type()) && layout_ok(*m, x));
+}
+
+bool fast_residual_params(const Tensor& x, const optional<Tensor>& gate, const optional<Tensor>& weight,
+                          const optional<Tensor>& bias, const optional<Tensor>& scale, const optional<Tensor>& shift) {
+  return fast_param(weight, x) && fast_param(bias, x) && fast_any_mod(gate, x) && fast_any_mod(scale, x) &&
+         fast_any_mod(shift, x) && (scale.has_value() || !shift.has_value());
+}
+
+bool fast_residual_forward(const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
+                           const optional<Tensor>& weight, const optional<Tensor>& bias, const optional<Tensor>& scale,
+                           const optional<Tensor>& shift, double eps, at::ScalarType r_dtype,
+                           at::ScalarType out_dtype) {
+  return eps >= 0 && kernel_dtype(r_dtype) && kernel_dtype(out_dtype) && fast_rows(x) && fast_full(y, x) &&
+         fast_residual_params(x, gate, weight, bias, scale, shift);
+}
+
+bool fast_residual_backward(const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
+                            const optional<Tensor>& y, const optional<Tensor>& gate, const optional<Tensor>& weight,
+                            const optional<Tensor>& bias, const optional<Tensor>& scale,
+                            const optional<Tensor>& shift, const optional<Tensor>& mean, const Tensor& rstd,
+                            at::ScalarType x_dtype) {
+  if (!kernel_dtype(x_dtype) || !fast_rows(r) || !fast_full(dout, r) || (dr.has_value() && !fast_full(*dr, r)))
+    return false;
+  if (gate.has_value() && !(y.has_value() && fast_full(*y, r))) return false;
+  const at::IntArrayRef rows = r.sizes().slice(0, r.dim() - 1);
+  return fast_residual_params(r, gate, weight, bias, scale, shift) && fast_like(rstd, r, rows) &&
+         (!mean.has_value() || fast_like(*mean, r, rows));
+}
+
 // ---------------------------------------------------------------------------------------------
 // The Python CUDA paths (adaptiveload/ops/<op>/op.py), for the calls the fast checks turn away
 
-enum Op : int { kAdaln = 0, kAdalnBackward, kRms, kRmsBackward, kOps };
+enum Op : int {
+  kAdaln = 0,
+  kAdalnBackward,
+  kRms,
+  kRmsBackward,
+  kResAdaln,
+  kResAdalnBackward,
+  kResRms,
+  kResRmsBackward,
+  kOps
+};
 
 std::array<PyObject*, kOps>& fallbacks() {
   static std::array<PyObject*, kOps> fns{};  // new references, kept for the life of the process
@@ -99,7 +147,7 @@ Result python_path(Op op, const Args&... args) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// CUDA kernels of the four ops (their schemas: adaptiveload/ops/<op>/op.py)
+// CUDA kernels of the eight ops (their schemas: adaptiveload/ops/<op>/op.py)
 
 using Fwd3 = std::tuple<Tensor, Tensor, Tensor>;
 using Fwd2 = std::tuple<Tensor, Tensor>;
@@ -139,6 +187,52 @@ Bwd4 rms_backward_cuda(const Tensor& dy, const Tensor& x, const optional<Tensor>
   return {g[0], g[1], g[3], g[4]};
 }
 
+using Res4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+using Res3 = std::tuple<Tensor, Tensor, Tensor>;
+using ResBwd7 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+using ResBwd6 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+Res4 residual_adaln_cuda(const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
+                         const optional<Tensor>& weight, const optional<Tensor>& bias, const optional<Tensor>& scale,
+                         const optional<Tensor>& shift, double eps, at::ScalarType r_dtype, at::ScalarType out_dtype) {
+  if (!fast_residual_forward(x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype))
+    return python_path<Res4>(kResAdaln, x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype);
+  auto o = residual_op_forward(Norm::Layer, x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype);
+  return {o[0], o[1], o[2], o[3]};
+}
+
+ResBwd7 residual_adaln_backward_cuda(const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
+                                     const optional<Tensor>& y, const optional<Tensor>& gate,
+                                     const optional<Tensor>& weight, const optional<Tensor>& bias,
+                                     const optional<Tensor>& scale, const optional<Tensor>& shift, const Tensor& mean,
+                                     const Tensor& rstd, at::ScalarType x_dtype) {
+  if (!fast_residual_backward(dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd, x_dtype))
+    return python_path<ResBwd7>(kResAdalnBackward, dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd,
+                                x_dtype);
+  auto g = residual_op_backward(Norm::Layer, dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd, x_dtype);
+  return {g[0], g[1], g[2], g[3], g[4], g[5], g[6]};
+}
+
+Res3 residual_rms_cuda(const Tensor& x, const Tensor& y, const optional<Tensor>& gate, const optional<Tensor>& weight,
+                       const optional<Tensor>& scale, const optional<Tensor>& shift, double eps,
+                       at::ScalarType r_dtype, at::ScalarType out_dtype) {
+  if (!fast_residual_forward(x, y, gate, weight, c10::nullopt, scale, shift, eps, r_dtype, out_dtype))
+    return python_path<Res3>(kResRms, x, y, gate, weight, scale, shift, eps, r_dtype, out_dtype);
+  auto o = residual_op_forward(Norm::RMS, x, y, gate, weight, c10::nullopt, scale, shift, eps, r_dtype, out_dtype);
+  return {o[0], o[1], o[3]};
+}
+
+ResBwd6 residual_rms_backward_cuda(const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
+                                   const optional<Tensor>& y, const optional<Tensor>& gate,
+                                   const optional<Tensor>& weight, const optional<Tensor>& scale,
+                                   const optional<Tensor>& shift, const Tensor& rstd, at::ScalarType x_dtype) {
+  if (!fast_residual_backward(dout, dr, r, y, gate, weight, c10::nullopt, scale, shift, c10::nullopt, rstd, x_dtype))
+    return python_path<ResBwd6>(kResRmsBackward, dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype);
+  auto g = residual_op_backward(Norm::RMS, dout, dr, r, y, gate, weight, c10::nullopt, scale, shift, c10::nullopt,
+                                rstd, x_dtype);
+  return {g[0], g[1], g[2], g[3], g[5], g[6]};
+}
+
 // ---------------------------------------------------------------------------------------------
 // AutogradCUDA kernels: what common.differentiable registers in Python (the Autograd alias key, which
 // keeps serving CPU), in C++ for CUDA tensors. The forward saves its tensor inputs and statistics,
@@ -158,6 +252,19 @@ using RmsSig = Fwd2(const Tensor&, const optional<Tensor>&, const Tensor&, const
 using RmsBwdSig = Bwd4(const Tensor&, const Tensor&, const optional<Tensor>&, const Tensor&,
                        const optional<Tensor>&, const Tensor&);
 
+using ResAdalnSig = Res4(const Tensor&, const Tensor&, const optional<Tensor>&, const optional<Tensor>&,
+                         const optional<Tensor>&, const optional<Tensor>&, const optional<Tensor>&, double,
+                         at::ScalarType, at::ScalarType);
+using ResAdalnBwdSig = ResBwd7(const Tensor&, const optional<Tensor>&, const Tensor&, const optional<Tensor>&,
+                               const optional<Tensor>&, const optional<Tensor>&, const optional<Tensor>&,
+                               const optional<Tensor>&, const optional<Tensor>&, const Tensor&, const Tensor&,
+                               at::ScalarType);
+using ResRmsSig = Res3(const Tensor&, const Tensor&, const optional<Tensor>&, const optional<Tensor>&,
+                       const optional<Tensor>&, const optional<Tensor>&, double, at::ScalarType, at::ScalarType);
+using ResRmsBwdSig = ResBwd6(const Tensor&, const optional<Tensor>&, const Tensor&, const optional<Tensor>&,
+                             const optional<Tensor>&, const optional<Tensor>&, const optional<Tensor>&,
+                             const optional<Tensor>&, const Tensor&, at::ScalarType);
+
 const c10::TypedOperatorHandle<AdalnSig>& adaln_op() {
   static const auto op = typed_op<AdalnSig>("adaptiveload::adaln_modulate");
   return op;
@@ -172,6 +279,23 @@ const c10::TypedOperatorHandle<RmsSig>& rms_op() {
 }
 const c10::TypedOperatorHandle<RmsBwdSig>& rms_backward_op() {
   static const auto op = typed_op<RmsBwdSig>("adaptiveload::rms_norm_modulate_backward");
+  return op;
+}
+
+const c10::TypedOperatorHandle<ResAdalnSig>& residual_adaln_op() {
+  static const auto op = typed_op<ResAdalnSig>("adaptiveload::residual_adaln_modulate");
+  return op;
+}
+const c10::TypedOperatorHandle<ResAdalnBwdSig>& residual_adaln_backward_op() {
+  static const auto op = typed_op<ResAdalnBwdSig>("adaptiveload::residual_adaln_modulate_backward");
+  return op;
+}
+const c10::TypedOperatorHandle<ResRmsSig>& residual_rms_op() {
+  static const auto op = typed_op<ResRmsSig>("adaptiveload::residual_rms_norm_modulate");
+  return op;
+}
+const c10::TypedOperatorHandle<ResRmsBwdSig>& residual_rms_backward_op() {
+  static const auto op = typed_op<ResRmsBwdSig>("adaptiveload::residual_rms_norm_modulate_backward");
   return op;
 }
 
@@ -230,6 +354,70 @@ struct RmsFunction : public torch::autograd::Function<RmsFunction> {
     auto g = rms_backward_op().call(grads[0], s[0], saved(s[1]), s[2], saved(s[3]), s[4]);
     return {std::get<0>(g), unless_absent(std::get<1>(g), s[1]), std::get<2>(g),
             unless_absent(std::get<3>(g), s[3]), Tensor(), Tensor()};
+  }
+};
+
+// The residual ops (Python: residual_norm_modulate/op.py, _differentiable): the forward saves r (an
+// output), y only with a gate, the gate, norm and modulation tensors and the statistics, never the
+// normalised tensor; the backward hands the backward op out's gradient (zeros when only r is used) and
+// r's (undefined when r has no other use). Without a gate the backward op's dx is also y's (cast to
+// y's dtype where it differs). One Function for both norms: the RMSNorm op passes no bias (no grad).
+template <Norm NT>
+struct ResidualFunction : public torch::autograd::Function<ResidualFunction<NT>> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
+                               const optional<Tensor>& weight, const optional<Tensor>& bias,
+                               const optional<Tensor>& scale, const optional<Tensor>& shift, double eps,
+                               at::ScalarType r_dtype, at::ScalarType out_dtype) {
+    variable_list out;  // r, out, then the statistics (LayerNorm: mean, rstd; RMSNorm: rstd)
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      if constexpr (NT == Norm::Layer) {
+        auto o = residual_adaln_op().call(x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype);
+        out = {std::get<0>(o), std::get<1>(o), std::get<2>(o), std::get<3>(o)};
+      } else {
+        auto o = residual_rms_op().call(x, y, gate, weight, scale, shift, eps, r_dtype, out_dtype);
+        out = {std::get<0>(o), std::get<1>(o), std::get<2>(o)};
+      }
+    }
+    const Tensor stat1 = NT == Norm::Layer ? out[3] : Tensor();
+    ctx->save_for_backward({out[0], gate.has_value() ? y : Tensor(), gate.value_or(Tensor()),
+                            weight.value_or(Tensor()), bias.value_or(Tensor()), scale.value_or(Tensor()),
+                            shift.value_or(Tensor()), out[2], stat1});
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["y_dtype"] = static_cast<int64_t>(y.scalar_type());
+    if constexpr (NT == Norm::Layer) ctx->mark_non_differentiable({out[2], out[3]});
+    else ctx->mark_non_differentiable({out[2]});
+    ctx->set_materialize_grads(false);  // r's gradient stays undefined when r has no other use
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const Tensor& r = s[0];
+    const optional<Tensor> dr = grads[0].defined() ? optional<Tensor>(grads[0]) : c10::nullopt;
+    const Tensor dout = grads[1].defined() ? grads[1] : at::zeros_like(r);  // only r is used
+    const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+    const auto y_dtype = static_cast<at::ScalarType>(ctx->saved_data["y_dtype"].toInt());
+    Tensor dx, dy, dgate, dweight, dbias, dscale, dshift;
+    if constexpr (NT == Norm::Layer) {
+      std::tie(dx, dy, dgate, dweight, dbias, dscale, dshift) = residual_adaln_backward_op().call(
+          dout, dr, r, saved(s[1]), saved(s[2]), saved(s[3]), saved(s[4]), saved(s[5]), saved(s[6]), s[7], s[8],
+          x_dtype);
+    } else {
+      std::tie(dx, dy, dgate, dweight, dscale, dshift) = residual_rms_backward_op().call(
+          dout, dr, r, saved(s[1]), saved(s[2]), saved(s[3]), saved(s[5]), saved(s[6]), s[7], x_dtype);
+    }
+    if (!s[2].defined()) dy = y_dtype == x_dtype ? dx : dx.to(y_dtype);  // x + y: dr_total for both
+    return {dx,
+            dy,
+            unless_absent(dgate, s[2]),
+            unless_absent(dweight, s[3]),
+            unless_absent(dbias, s[4]),
+            unless_absent(dscale, s[5]),
+            unless_absent(dshift, s[6]),
+            Tensor(),
+            Tensor(),
+            Tensor()};
   }
 };
 
@@ -292,11 +480,69 @@ Bwd4 rms_backward_autograd(const Tensor& dy, const Tensor& x, const optional<Ten
   return {g[0], g[1], g[2], g[3]};
 }
 
+Res4 residual_adaln_autograd(const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
+                             const optional<Tensor>& weight, const optional<Tensor>& bias,
+                             const optional<Tensor>& scale, const optional<Tensor>& shift, double eps,
+                             at::ScalarType r_dtype, at::ScalarType out_dtype) {
+  if (!needs_grad(x, y, gate, weight, bias, scale, shift)) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return residual_adaln_op().call(x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype);
+  }
+  auto out = ResidualFunction<Norm::Layer>::apply(x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype);
+  return {out[0], out[1], out[2], out[3]};
+}
+
+Res3 residual_rms_autograd(const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
+                           const optional<Tensor>& weight, const optional<Tensor>& scale,
+                           const optional<Tensor>& shift, double eps, at::ScalarType r_dtype,
+                           at::ScalarType out_dtype) {
+  if (!needs_grad(x, y, gate, weight, scale, shift)) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return residual_rms_op().call(x, y, gate, weight, scale, shift, eps, r_dtype, out_dtype);
+  }
+  const optional<Tensor> no_bias;
+  auto out = ResidualFunction<Norm::RMS>::apply(x, y, gate, weight, no_bias, scale, shift, eps, r_dtype, out_dtype);
+  return {out[0], out[1], out[2]};
+}
+
+ResBwd7 residual_adaln_backward_autograd(const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
+                                         const optional<Tensor>& y, const optional<Tensor>& gate,
+                                         const optional<Tensor>& weight, const optional<Tensor>& bias,
+                                         const optional<Tensor>& scale, const optional<Tensor>& shift,
+                                         const Tensor& mean, const Tensor& rstd, at::ScalarType x_dtype) {
+  if (!needs_grad(dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd)) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return residual_adaln_backward_op().call(dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd, x_dtype);
+  }
+  auto g = FirstDerivativeOnly<ResBwd7, ResAdalnBwdSig>::apply(&residual_adaln_backward_op(), dout, dr, r, y, gate,
+                                                               weight, bias, scale, shift, mean, rstd, x_dtype);
+  return {g[0], g[1], g[2], g[3], g[4], g[5], g[6]};
+}
+
+ResBwd6 residual_rms_backward_autograd(const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
+                                       const optional<Tensor>& y, const optional<Tensor>& gate,
+                                       const optional<Tensor>& weight, const optional<Tensor>& scale,
+                                       const optional<Tensor>& shift, const Tensor& rstd, at::ScalarType x_dtype) {
+  if (!needs_grad(dout, dr, r, y, gate, weight, scale, shift, rstd)) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return residual_rms_backward_op().call(dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype);
+  }
+  auto g = FirstDerivativeOnly<ResBwd6, ResRmsBwdSig>::apply(&residual_rms_backward_op(), dout, dr, r, y, gate,
+                                                             weight, scale, shift, rstd, x_dtype);
+  return {g[0], g[1], g[2], g[3], g[4], g[5]};
+}
+
 }  // namespace
 
 void register_dispatch(py::dict paths) {
-  static const char* const names[kOps] = {"adaln_modulate", "adaln_modulate_backward", "rms_norm_modulate",
-                                          "rms_norm_modulate_backward"};
+  static const char* const names[kOps] = {"adaln_modulate",
+                                          "adaln_modulate_backward",
+                                          "rms_norm_modulate",
+                                          "rms_norm_modulate_backward",
+                                          "residual_adaln_modulate",
+                                          "residual_adaln_modulate_backward",
+                                          "residual_rms_norm_modulate",
+                                          "residual_rms_norm_modulate_backward"};
   for (int i = 0; i < kOps; ++i) {
     TORCH_CHECK(paths.contains(names[i]), "register_dispatch: no Python CUDA path for ", names[i]);
     py::object fn = paths[names[i]];
@@ -312,6 +558,10 @@ TORCH_LIBRARY_IMPL(adaptiveload, CUDA, m) {
   m.impl("adaln_modulate_backward", TORCH_FN(adaln::adaln_backward_cuda));
   m.impl("rms_norm_modulate", TORCH_FN(adaln::rms_cuda));
   m.impl("rms_norm_modulate_backward", TORCH_FN(adaln::rms_backward_cuda));
+  m.impl("residual_adaln_modulate", TORCH_FN(adaln::residual_adaln_cuda));
+  m.impl("residual_adaln_modulate_backward", TORCH_FN(adaln::residual_adaln_backward_cuda));
+  m.impl("residual_rms_norm_modulate", TORCH_FN(adaln::residual_rms_cuda));
+  m.impl("residual_rms_norm_modulate_backward", TORCH_FN(adaln::residual_rms_backward_cuda));
 }
 
 TORCH_LIBRARY_IMPL(adaptiveload, AutogradCUDA, m) {
@@ -319,4 +569,8 @@ TORCH_LIBRARY_IMPL(adaptiveload, AutogradCUDA, m) {
   m.impl("adaln_modulate_backward", TORCH_FN(adaln::adaln_backward_autograd));
   m.impl("rms_norm_modulate", TORCH_FN(adaln::rms_autograd));
   m.impl("rms_norm_modulate_backward", TORCH_FN(adaln::rms_backward_autograd));
+  m.impl("residual_adaln_modulate", TORCH_FN(adaln::residual_adaln_autograd));
+  m.impl("residual_adaln_modulate_backward", TORCH_FN(adaln::residual_adaln_backward_autograd));
+  m.impl("residual_rms_norm_modulate", TORCH_FN(adaln::residual_rms_autograd));
+  m.impl("residual_rms_norm_modulate_backward", TORCH_FN(adaln::residual_rms_backward_autograd));
 }

@@ -8,8 +8,9 @@
 
 namespace adaln {
 
-RowShape row_shape(int D, DType xt, int max_threads) {
-  const int vec = xt == DType::F32 ? 4 : 8;
+RowShape row_shape(int D, DType xt, int max_threads) { return row_shape_vec(D, xt == DType::F32 ? 4 : 8, max_threads); }
+
+RowShape row_shape_vec(int D, int vec, int max_threads) {
   const int groups = (D + vec - 1) / vec;
   const int cap = max_threads <= 0 ? kMaxThreads : (max_threads < 32 ? 32 : (max_threads > kMaxThreads ? kMaxThreads : max_threads));
   int chunks = 1;

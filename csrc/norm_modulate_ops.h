@@ -1,5 +1,7 @@
-// The ops' CUDA bodies in torch terms (norm_modulate.cu), for the dispatcher registrations
-// (norm_modulate_dispatch.cu). Inputs as the public ops receive them, already checked.
+// The ops' CUDA bodies in torch terms (norm_modulate.cu; the residual ops' in
+// residual_norm_modulate/residual_ops.cu), for the dispatcher registrations (norm_modulate_dispatch.cu)
+// and the bindings; and the torch-side helpers those files share. Inputs as the public ops receive
+// them, already checked.
 #pragma once
 
 #include <torch/extension.h>
@@ -21,6 +23,70 @@ std::vector<at::Tensor> op_backward(Norm norm, const at::Tensor& dy, const at::T
                                     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
                                     const at::Tensor& scale, const c10::optional<at::Tensor>& shift,
                                     const c10::optional<at::Tensor>& mean, const at::Tensor& rstd);
+
+// {r, out, mean (undefined for RMSNorm), rstd} in x's shape: the CUDA body of either residual op's
+// forward (r in r_dtype, out in out_dtype, the statistics fp32)
+std::vector<at::Tensor> residual_op_forward(Norm norm, const at::Tensor& x, const at::Tensor& y,
+                                            const c10::optional<at::Tensor>& gate,
+                                            const c10::optional<at::Tensor>& weight,
+                                            const c10::optional<at::Tensor>& bias,
+                                            const c10::optional<at::Tensor>& scale,
+                                            const c10::optional<at::Tensor>& shift, double eps,
+                                            at::ScalarType r_dtype, at::ScalarType out_dtype);
+
+// {dx, dy, dgate, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (dx in x_dtype; an
+// empty tensor for an absent input, and for dy and dgate without a gate): the CUDA body of either
+// residual op's backward (mean: none for RMSNorm)
+std::vector<at::Tensor> residual_op_backward(Norm norm, const at::Tensor& dout, const c10::optional<at::Tensor>& dr,
+                                             const at::Tensor& r, const c10::optional<at::Tensor>& y,
+                                             const c10::optional<at::Tensor>& gate,
+                                             const c10::optional<at::Tensor>& weight,
+                                             const c10::optional<at::Tensor>& bias,
+                                             const c10::optional<at::Tensor>& scale,
+                                             const c10::optional<at::Tensor>& shift,
+                                             const c10::optional<at::Tensor>& mean, const at::Tensor& rstd,
+                                             at::ScalarType x_dtype);
+
+// Kernel choices a benchmark or test may force (adaptiveload/ops/_tuning.py: override); each
+// default is "the launcher's choice", from the shape, the dtypes, the layout and the device, which
+// is what every call makes unless an override is set. Process-wide.
+struct Tuning {
+  int max_threads = 0;      // FwdArgs / BwdArgs::max_threads: 0 automatic, else 32..kMaxThreads
+  int fwd_stages = -1;      // FwdArgs::stages: -1 automatic, 0 the register path, 2..kMaxStages
+  int bwd_stages = -1;      // BwdArgs::stages, likewise
+  int store = -1;           // FwdArgs::store: -1 automatic, 0 threads, 1 bulk
+  int tail_pct = -1;        // FwdArgs::tail_pct: -1 automatic, 0..50
+  int tail_rows = 8;        // FwdArgs::tail_rows: 1..65536
+  bool two_kernel = false;  // BwdArgs::two_kernel: true forces the two-kernel backward everywhere
+};
+// The choices in force: the defaults, without a lock, unless an override is set.
+Tuning tuning();
+
+// Helpers of the CUDA bodies (norm_modulate.cu), shared with the residual ops' (TORCH_CHECKs there
+// guard what the callers have already checked).
+DType to_dtype(const at::Tensor& t, const char* name);
+bool aligned16(const void* p);
+// x: [B, N, D] contiguous on CUDA, not empty.
+void check_x(const at::Tensor& x, const char* name);
+// Modulation m viewed as [B or 1, N or 1, D] (unit stride along D) of x [B, N, D]: pointer and strides.
+ModView mod_view(const at::Tensor& m, const at::Tensor& x, const char* name);
+// Every row of v (of element size esize) 16-byte aligned; true for an absent one.
+bool mod_aligned(const ModView& v, int64_t esize);
+// The size of modulation t at x's dim i, t broadcast against x (right-aligned): 1 where t has none.
+int64_t bcast_size(const at::Tensor& t, const at::Tensor& x, int64_t i);
+// A modulation with a token dim other than 1 (per-token).
+bool per_token(const at::Tensor& t, const at::Tensor& x);
+// Modulation t as a [B or 1, N or 1, D] view of x viewed as [B, N, D], in dtype dt (a copy only where
+// needed).
+at::Tensor modulation_rows(const at::Tensor& t, const at::Tensor& x, at::ScalarType dt);
+c10::optional<at::Tensor> affine_f32(const c10::optional<at::Tensor>& t);
+std::vector<int64_t> stat_shape(const at::Tensor& x);
+// A saved per-row statistic as a contiguous fp32 vector.
+at::Tensor stat_rows(const at::Tensor& s);
+// A kernel gradient of modulation t ([B, N, D] per element or [B, D] per-sample sums), summed over
+// the dims where t broadcasts, in t's shape and dtype.
+at::Tensor mod_grad(at::Tensor g, const at::Tensor& t, const at::Tensor& x);
+at::Tensor or_empty(const c10::optional<at::Tensor>& g, const at::Tensor& x);
 
 // Hands the dispatcher kernels the ops' Python CUDA paths ({op name: callable}), which serve the calls
 // the kernels do not take; called once, when the module is loaded.

@@ -359,6 +359,23 @@ def kernels_apply(x: Tensor, params: tuple, mods: tuple, others: tuple = ()) -> 
     return all(m is None or m.dtype in (x.dtype, torch.float32) for m in mods)
 
 
+def residual_kernels_apply(x: Tensor, tensors: tuple, dtypes: tuple = ()) -> bool:
+    """Whether the residual ops' kernels (``csrc/residual_norm_modulate/``) take these inputs (else the
+    reference runs): x non-empty with rows of at most :data:`MAX_FEATURES`, and x, every given tensor
+    and every dtype of ``dtypes`` (r_dtype, out_dtype; the backward's x_dtype) of a kernel dtype.
+    Unlike :func:`kernels_apply` the dtypes may mix freely (the kernels read each tensor in its own
+    dtype). Reads shapes and dtypes only, so :func:`validate` may remember the answer.
+
+    Args:
+        x: the op's x (the backward's r); tensors: its other tensor inputs (None for absent ones);
+            dtypes: its dtype arguments.
+    """
+    if x.numel() == 0 or x.shape[-1] > MAX_FEATURES:
+        return False
+    return (all(t is None or t.dtype in KERNEL_DTYPES for t in (x, *tensors))
+            and all(d in KERNEL_DTYPES for d in dtypes))
+
+
 def cuda_kernels(check: Callable[..., bool], tensors: tuple[Optional[Tensor], ...], *others):
     """The kernel module for a CUDA call, or None (reference path): ``check`` validates the call's
     inputs and says whether the kernels take them (:func:`kernels_apply`); both answers are

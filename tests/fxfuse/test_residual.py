@@ -3,11 +3,13 @@ site (Wan's ``(x.float() + y * gate).type_as(x)``, Flux/SD3's ``x + gate * y`` i
 ``x + y``, ``gate.unsqueeze(1) * y`` written either way round, ``tanh(gate)`` in front, RMSNorm
 sites, a plain norm behind a residual), values and gradients against float64 eager; r's other
 users; the sites it must leave (each then fused by the plain pattern, the reason recorded); CUDA
-sites left to the plain patterns until the op has a CUDA kernel (fake CUDA tensors); the aten adds
-and muls each folded site removes from a compiled forward; symbolic sizes."""
+sites left to the plain patterns until "cuda" is in FUSED_DEVICES (fake CUDA tensors), and with it
+a Wan-like model fused on a GPU (its kernels run, loss and gradients as eager's; skipped without
+one); the aten adds and muls each folded site removes from a compiled forward; symbolic sizes."""
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 
 import pytest
@@ -361,6 +363,90 @@ def test_a_device_in_the_switch_is_fused(monkeypatch):
     gm, report = _fuse_on("cuda")
     assert [(c.pattern, c.fused) for c in report.chains] == [("residual_adaln_modulate", True)] and not report.deferred
     assert _fused_ops(gm) == [RES_ADALN]
+
+
+def _cuda_in_fused_devices(monkeypatch):
+    """Both residual patterns as they are once "cuda" is added to FUSED_DEVICES (restored afterwards)."""
+    from adaptiveload.ops.residual_norm_modulate import pattern
+
+    for p in (pattern.LAYER_NORM_PATTERN, pattern.RMS_NORM_PATTERN):
+        flipped = dataclasses.replace(p, devices=p.devices | {"cuda"})
+        (entry,) = [e for e in registry.patterns() if e.name == p.name]
+        monkeypatch.setitem(registry._patterns, entry.name, dataclasses.replace(
+            entry, match=flipped.match, check=flipped.check, replace=flipped.replace))
+
+
+class WanLike(nn.Module):
+    """L Wan-style blocks on a bf16 / fp32 residual stream, Linears standing in for attention and the
+    FFN: a modulated norm1, the gated residual summed in float32 and rounded by ``.type_as(x)``, an
+    affine plain norm2 read by a plain residual (cross-attention), a modulated norm3 and its gated
+    residual; a modulated head. Every norm but the first reads a residual sum."""
+
+    def __init__(self, depth: int, dim: int):
+        super().__init__()
+        self.dim = dim
+        self.attn, self.cross, self.ffn = (nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth)) for _ in range(3))
+        self.norm2 = nn.ModuleList(nn.LayerNorm(dim, eps=1e-6) for _ in range(depth))
+
+    def forward(self, x, emb):  # emb [B, L + 1, 6 D], in float32 as Wan's
+        def modulated(h, shift, scale):
+            n = F.layer_norm(h.float(), (self.dim,), eps=1e-6)
+            return (n * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)).type_as(h)
+
+        for i in range(len(self.attn)):
+            sh, sc, g, sh2, sc2, g2 = emb[:, i].chunk(6, dim=-1)
+            x = (x.float() + self.attn[i](modulated(x, sh, sc)) * g.unsqueeze(1)).type_as(x)
+            norm2 = self.norm2[i]  # Wan's FP32LayerNorm: float32 math, the model's dtype out
+            x = x + self.cross[i](F.layer_norm(x.float(), (self.dim,), norm2.weight.float(), norm2.bias.float(),
+                                               1e-6).type_as(x))
+            x = (x.float() + self.ffn[i](modulated(x, sh2, sc2)) * g2.unsqueeze(1)).type_as(x)
+        sh, sc = emb[:, -1, :2 * self.dim].chunk(2, dim=-1)
+        return modulated(x, sh, sc)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_with_cuda_in_fused_devices_a_wan_block_fuses_on_cuda_and_matches_eager(monkeypatch, dtype):
+    """The switch flipped: the backend (Inductor inside) folds a Wan-like model's residual sites on
+    CUDA into the residual op, whose kernels run (profiler), and the loss and every gradient match
+    eager's: float32 to float32 rounding; bf16 no further from float64 than eager bf16 (x1.5)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("ADAPTIVELOAD_REQUIRE_KERNEL", "1")
+    _cuda_in_fused_devices(monkeypatch)
+    L, dim = 2, 64
+    gen = torch.Generator().manual_seed(0)
+    model = WanLike(L, dim).to("cuda", dtype)
+    x = torch.randn(2, 48, dim, generator=gen).to("cuda", dtype)
+    emb = (0.3 * torch.randn(2, L + 1, 6 * dim, generator=gen)).to("cuda")
+
+    def loss_and_grads(fn, m, cast):
+        xs, es = x.detach().to(cast).requires_grad_(), emb.detach().to(torch.float64 if cast == torch.float64
+                                                                           else torch.float32).requires_grad_()
+        probe = torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to("cuda")
+        loss = (fn(xs, es).double() * probe).sum()
+        params = list(m.parameters())
+        return loss.detach(), torch.autograd.grad(loss, [xs, es, *params])
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="adaptiveload")
+    with collect_reports() as reports, profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = loss_and_grads(compiled, model, dtype)
+        torch.cuda.synchronize()
+    residual = sum(r.of_pattern(name).fused for r in reports
+                   for name in ("residual_adaln_modulate", "residual_rms_norm_modulate"))
+    assert residual == 3 * L, "\n".join(r.table() for r in reports)  # norm2, norm3, the next norm1 / the head
+    kernels = {e.name for e in prof.events()}
+    assert any("res_fwd_kernel" in k for k in kernels) and any("res_bwd_row_kernel" in k for k in kernels), kernels
+    eager = loss_and_grads(model, model, dtype)
+    model64 = copy.deepcopy(model).double()
+    ref = loss_and_grads(model64, model64, torch.float64)
+    for name, g, e, r in zip(["loss", "dx", "demb", *[n for n, _ in model.named_parameters()]],
+                             [got[0], *got[1]], [eager[0], *eager[1]], [ref[0], *ref[1]]):
+        if dtype == torch.float32:
+            assert rel_err(g, e) < 1e-4, f"{name}: {rel_err(g, e):.2e}"
+        else:
+            assert rel_err(g, r) <= 1.5 * rel_err(e, r) + 2e-3, f"{name}: {rel_err(g, r):.2e} vs eager {rel_err(e, r):.2e}"
 
 
 # --- what a compiled forward runs ------------------------------------------------------------------

@@ -150,7 +150,9 @@ def test_build_removes_a_stale_baton_under_the_lock(fresh, monkeypatch, tmp_path
     assert calls["baton_gone"] and calls["arch"] == "9.0"
     assert calls["sources"] == sorted(p.name for p in extension.source_dir().rglob("*.cu"))
     # the loaded kernels get every op's Python CUDA path, for the calls they do not take
-    assert calls["paths"] == ["adaln_modulate", "adaln_modulate_backward", "rms_norm_modulate",
+    assert calls["paths"] == ["adaln_modulate", "adaln_modulate_backward", "residual_adaln_modulate",
+                              "residual_adaln_modulate_backward", "residual_rms_norm_modulate",
+                              "residual_rms_norm_modulate_backward", "rms_norm_modulate",
                               "rms_norm_modulate_backward"]
 
 

@@ -5,7 +5,10 @@ float64 eager composition written here (``x + gate * y``, ``F.layer_norm`` / ``F
 x modulation (none, scale-only, scale+shift, every layout) x dtypes, with and without a gradient
 arriving at r; gradcheck; opcheck of both ops (dout non-contiguous included); hand-computed values;
 D > 8192; bad inputs; aliasing; the autograd wiring (first derivatives only, only the gradients
-asked for, a plain residual's one dr_total for both inputs)."""
+asked for, a plain residual's one dr_total for both inputs). On a GPU (marked ``cuda``, skipped
+without one) the same checks reach the csrc/residual_norm_modulate/ kernels: every variant, mixed
+dtypes, D not a multiple of 8, D = 12288, both backward designs, bit-identical backward runs,
+opcheck, and the C++ dispatcher kernels' hand-back to the Python path."""
 from __future__ import annotations
 
 import pytest
@@ -14,6 +17,8 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from adaptiveload.ops import _tuning, extension
+from adaptiveload.ops.residual_norm_modulate import op as residual_op
 from adaptiveload.ops.testing import (GRAD_LAYOUTS, LAYOUTS, OPCHECK_UTILS, TOL, assert_rel, check_backward_strides,
                                        check_op_against_float64, lay_out_grad, make_mod, property_strategies)
 
@@ -49,42 +54,45 @@ def call(norm, v, r_dtype, out_dtype):
 
 
 def make_inputs(norm, x_shape, dtype, gate_layout, modulation, scale_layout, shift_layout, affine, seed,
-                mod_dtype=None, y_dtype=None):
-    """The op's inputs by name (None for absent ones): x, y [x_shape]; gate, scale, shift in a layout
-    of LAYOUTS (gate None for a plain residual; modulation "none", "scale" or "scale+shift");
-    weight (and the LayerNorm's bias) when ``affine``."""
+                mod_dtype=None, y_dtype=None, device="cpu"):
+    """The op's inputs by name (None for absent ones) on ``device``: x, y [x_shape]; gate, scale,
+    shift in a layout of LAYOUTS (gate None for a plain residual; modulation "none", "scale" or
+    "scale+shift"); weight (and the LayerNorm's bias) when ``affine``. The same values on every
+    device (drawn on the CPU)."""
     gen = torch.Generator().manual_seed(seed)
     D = x_shape[-1]
     mdt = mod_dtype or dtype
 
     def randn(*shape, scale=1.0, shift=0.0, dt=dtype):
-        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64) + shift).to(dt)
+        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64) + shift).to(dt).to(device)
 
     named = {"x": randn(*x_shape, scale=2.0, shift=0.3), "y": randn(*x_shape, dt=y_dtype or dtype)}
-    named["gate"] = None if gate_layout is None else make_mod(gate_layout, x_shape, mdt, "cpu", gen)
+    named["gate"] = None if gate_layout is None else make_mod(gate_layout, x_shape, mdt, device, gen)
     named["weight"] = randn(D, scale=0.3, shift=1.0) if affine else None
     if norm == "layer_norm":
         named["bias"] = randn(D, scale=0.3) if affine else None
-    named["scale"] = None if modulation == "none" else make_mod(scale_layout, x_shape, mdt, "cpu", gen)
-    named["shift"] = make_mod(shift_layout, x_shape, mdt, "cpu", gen) if modulation == "scale+shift" else None
+    named["scale"] = None if modulation == "none" else make_mod(scale_layout, x_shape, mdt, device, gen)
+    named["shift"] = make_mod(shift_layout, x_shape, mdt, device, gen) if modulation == "scale+shift" else None
     return named
 
 
 def check_against_float64(norm, x_shape, dtype, gate_layout, modulation, scale_layout, shift_layout, affine, seed,
-                          grad_layout="contiguous", with_dr=True, mod_dtype=None, y_dtype=None):
+                          grad_layout="contiguous", with_dr=True, mod_dtype=None, y_dtype=None, device="cpu",
+                          out_dtype=None):
     """The op forward and backward (dout, and dr unless ``with_dr`` is False, laid out as
     ``grad_layout``) against float64 autograd of :func:`eager_site` on the same (upcast) inputs, its
-    norm reading r rounded to ``dtype`` (the op's r_dtype): r, out, the statistics and every
-    gradient."""
+    norm reading r rounded to ``dtype`` (the op's r_dtype): r, out (in ``out_dtype``, default
+    ``dtype``), the statistics and every gradient."""
     named = make_inputs(norm, x_shape, dtype, gate_layout, modulation, scale_layout, shift_layout, affine, seed,
-                        mod_dtype, y_dtype)
+                        mod_dtype, y_dtype, device)
+    out_dtype = out_dtype or dtype
     gen = torch.Generator().manual_seed(seed + 1)
-    dout = lay_out_grad(grad_layout, torch.randn(*x_shape, generator=gen, dtype=torch.float64).to(dtype))
-    dr = lay_out_grad(grad_layout, torch.randn(*x_shape, generator=gen, dtype=torch.float64).to(dtype))
+    dout = lay_out_grad(grad_layout, torch.randn(*x_shape, generator=gen, dtype=torch.float64).to(out_dtype).to(device))
+    dr = lay_out_grad(grad_layout, torch.randn(*x_shape, generator=gen, dtype=torch.float64).to(dtype).to(device))
 
     def op_fn(v):
-        r, out, *stats = call(norm, v, dtype, dtype)
-        assert r.dtype == out.dtype == dtype and r.is_contiguous() and out.is_contiguous()
+        r, out, *stats = call(norm, v, dtype, out_dtype)
+        assert r.dtype == dtype and out.dtype == out_dtype and r.is_contiguous() and out.is_contiguous()
         return (r, out, *stats) if with_dr else (out, r, *stats)
 
     keys = ("x", "y", "gate", "weight", "bias", "scale", "shift")
@@ -93,7 +101,7 @@ def check_against_float64(norm, x_shape, dtype, gate_layout, modulation, scale_l
         r, out = eager_site(norm, *(v.get(k) for k in keys), r_dtype=dtype)
         return (r, out) if with_dr else out
 
-    tol = max(TOL[t] for t in (dtype, mod_dtype or dtype, y_dtype or dtype))
+    tol = max(TOL[t] for t in (dtype, mod_dtype or dtype, y_dtype or dtype, out_dtype))
     dys, names = ((dr, dout), ("r", "out")) if with_dr else (dout, ("out",))
     outputs, ref = check_op_against_float64(named, op_fn, ref_fn, dys, tol, names)
     stat_dtype = torch.float64 if torch.float64 in (dtype, mod_dtype, y_dtype) else torch.float32
@@ -338,3 +346,216 @@ def test_bad_backward_inputs_raise_value_error_naming_the_tensor():
     for change, match in cases:
         with pytest.raises(ValueError, match="residual_rms_norm_modulate_backward: " + match):
             bwd(**{**good, **change})
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA kernels (csrc/residual_norm_modulate/; skipped without a GPU)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The loaded kernel module (its C++ dispatcher kernels registered); a build failure fails.
+    Module-scoped: the hypothesis test may not use a function-scoped fixture."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ADAPTIVELOAD_REQUIRE_KERNEL", "1")
+        yield extension.kernels()
+
+
+# One row per (gate layout, modulation): the shape, the scale / shift layouts and the switches cycle
+# through the cases, so that every gate layout meets every modulation and each shape and layout
+# recurs. D = 8 and 1536: aligned rows; 17, 130, 1003: unaligned (D not a multiple of 8); 5120: two
+# chunks a thread (one pass); 12288: four (the two-kernel backward, the kernels' own choice).
+_CUDA_SHAPES = [(2, (5,), 8), (1, (7, 3), 130), (3, (64,), 1536), (2, (9,), 17), (1, (33,), 5120),
+                (2, (4,), 1003), (1, (3,), 12288)]
+_CUDA_CASES = [(gate, modulation) for gate in (None, *LAYOUTS) for modulation in MODULATIONS]
+
+
+def _cuda_case(i):
+    B, tokens, D = _CUDA_SHAPES[i % len(_CUDA_SHAPES)]
+    return dict(x_shape=(B, *tokens, D), scale_layout=LAYOUTS[i % len(LAYOUTS)],
+                shift_layout=LAYOUTS[(i + 2) % len(LAYOUTS)], affine=i % 3 != 2, with_dr=i % 4 != 3,
+                grad_layout=GRAD_LAYOUTS[i % len(GRAD_LAYOUTS)])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm", sorted(OPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", range(len(_CUDA_CASES)))
+def test_kernels_match_float64(kernels, norm, dtype, case):
+    """Every prologue (plain, each gate layout) x modulation (none, scale, scale+shift) x norm x
+    dtype: r, out, the statistics and every gradient against float64 eager, with and without dr."""
+    gate_layout, modulation = _CUDA_CASES[case]
+    c = _cuda_case(case)
+    check_against_float64(norm, c["x_shape"], dtype, gate_layout, modulation, c["scale_layout"], c["shift_layout"],
+                          c["affine"], case, c["grad_layout"], c["with_dr"], device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm", sorted(OPS))
+@pytest.mark.parametrize("dtypes", [
+    dict(dtype=torch.bfloat16, mod_dtype=torch.float32),  # Wan: bf16 stream, fp32 modulation
+    dict(dtype=torch.float32, y_dtype=torch.bfloat16, mod_dtype=torch.bfloat16),  # autocast: fp32 stream
+    dict(dtype=torch.bfloat16, y_dtype=torch.float32, out_dtype=torch.float32),
+    dict(dtype=torch.float16, mod_dtype=torch.float32, out_dtype=torch.float32),
+], ids=["wan", "autocast", "fp32-branch", "fp16-fp32-out"])
+@pytest.mark.parametrize("gate_layout", ["strided-per-sample", "per-token", None])
+def test_kernels_mixed_dtypes(kernels, norm, dtypes, gate_layout):
+    """x, y, the modulation and out each in its own dtype (each gradient in its input's dtype), at an
+    aligned and an unaligned D."""
+    for i, x_shape in enumerate([(2, 37, 1536), (1, 5, 130)]):
+        check_against_float64(norm, x_shape, gate_layout=gate_layout, modulation="scale+shift",
+                              scale_layout="strided-per-sample", shift_layout="per-token", affine=True, seed=i,
+                              device="cuda", **dtypes)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm", sorted(OPS))
+@pytest.mark.parametrize("gate_layout, modulation, scale_layout", [
+    ("strided-per-sample", "scale+shift", "strided-per-sample"), ("per-token", "scale+shift", "per-token"),
+    ("shared", "scale", "batch1-per-token"), (None, "none", None), ("batch1-per-token", "scale+shift", "shared")])
+def test_kernels_two_kernel_backward(kernels, norm, gate_layout, modulation, scale_layout):
+    """The backward's two-kernel design (dx, then the column sums recomputing dr_total), forced where
+    the kernels would take one pass; D = 12288 takes it on its own in test_kernels_match_float64."""
+    with _tuning.override(two_kernel=True):
+        for i, x_shape in enumerate([(2, 67, 1536), (3, 9, 17)]):
+            check_against_float64(norm, x_shape, torch.bfloat16, gate_layout, modulation, scale_layout, "per-sample",
+                                  True, seed=i, device="cuda")
+
+
+@pytest.mark.cuda
+@given(**_SHAPES, **_site_strategies(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_kernels_property(kernels, B, tokens, D, grad_layout, seed, norm, gate_layout, modulation, scale_layout,
+                          shift_layout, affine, with_dr, dtype):
+    check_against_float64(norm, (B, *tokens, D), dtype, gate_layout, modulation, scale_layout, shift_layout, affine,
+                          seed, grad_layout, with_dr, device="cuda")
+
+
+def _backward_args(norm, v, dout, dr, r, stats):
+    norm_args = (v["weight"], v["bias"]) if norm == "layer_norm" else (v["weight"],)
+    y = v["y"] if v["gate"] is not None else None
+    return (dout, dr, r, y, v["gate"], *norm_args, v["scale"], v["shift"], *stats, v["x"].dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm", sorted(OPS))
+@pytest.mark.parametrize("gate_layout, D", [("strided-per-sample", 1024), ("per-token", 1024), (None, 12288)])
+@pytest.mark.parametrize("two_kernel", [False, True])
+def test_kernels_backward_is_bit_identical_across_runs(kernels, norm, gate_layout, D, two_kernel):
+    """Thousands of rows a sample, so that many blocks add into each column sum: every output of two
+    more runs equal to the first, bit for bit (no atomics)."""
+    x_shape = (2, 4096 if D < 8192 else 300, D)
+    v = make_inputs(norm, x_shape, torch.bfloat16, gate_layout, "scale+shift", "strided-per-sample", "per-sample", True,
+                    seed=9, mod_dtype=torch.float32, device="cuda")
+    r, out, *stats = call(norm, v, torch.bfloat16, torch.bfloat16)
+    dout, dr = torch.randn_like(out), torch.randn_like(r)
+    args = _backward_args(norm, v, dout, dr, r, stats)
+    with _tuning.override(two_kernel=two_kernel):
+        first = BACKWARDS[norm](*args)
+        for _ in range(2):
+            for a, b in zip(first, BACKWARDS[norm](*args)):
+                assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm", sorted(OPS))
+@pytest.mark.parametrize("gate_layout", [None, "strided-per-sample", "per-token"])
+@pytest.mark.parametrize("modulation", ["none", "scale+shift"])
+def test_kernels_opcheck(kernels, norm, gate_layout, modulation):
+    """Both ops on CUDA: schema, autograd registration, fake tensors, AOT dispatch; the backward op's
+    outputs contiguous whatever the layout of dout and dr."""
+    v = make_inputs(norm, (2, 5, 16), torch.bfloat16, gate_layout, modulation, "strided-per-sample", "per-token",
+                    True, seed=3, device="cuda")
+    for t in v.values():
+        if t is not None:
+            (t._base if t._base is not None else t).requires_grad_(True)
+    norm_args = (v["weight"], v["bias"]) if norm == "layer_norm" else (v["weight"],)
+    args = (v["x"], v["y"], v["gate"], *norm_args, v["scale"], v["shift"], EPS, torch.bfloat16, torch.bfloat16)
+    torch.library.opcheck(OPS[norm].default, args, test_utils=OPCHECK_UTILS)
+    detached = {k: None if t is None else t.detach() for k, t in v.items()}
+    r, out, *stats = call(norm, detached, torch.bfloat16, torch.bfloat16)
+    names = ("dx", "dy", "dgate", "dweight", *(("dbias",) if norm == "layer_norm" else ()), "dscale", "dshift")
+    for layout in GRAD_LAYOUTS[1:]:
+        dout, dr = (lay_out_grad(layout, torch.randn_like(r)) for _ in range(2))
+        check_backward_strides(BACKWARDS[norm], _backward_args(norm, detached, dout, dr, r, stats), names)
+
+
+@pytest.mark.cuda
+def test_kernels_hand_bad_inputs_and_float64_to_the_python_path(kernels):
+    """Through the C++ dispatcher kernels: a bad input raises the Python path's ValueError naming the
+    tensor; float64 runs the reference (float64 statistics); the kernels still run afterwards."""
+    v = make_inputs("layer_norm", (2, 5, 8), torch.bfloat16, "per-sample", "scale+shift", "per-sample", "per-sample",
+                    True, seed=0, device="cuda")
+    op = OPS["layer_norm"]
+    with pytest.raises(ValueError, match=r"residual_adaln_modulate: gate \(shape \[3, 1, 8\]"):
+        op(v["x"], v["y"], torch.ones(3, 1, 8, device="cuda"), None, None, v["scale"], None, EPS, torch.bfloat16,
+           torch.bfloat16)
+    with pytest.raises(ValueError, match="shift is given without scale"):
+        op(v["x"], v["y"], None, None, None, None, v["shift"], EPS, torch.bfloat16, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"y \(shape \[2, 5, 8\], dtype torch.bfloat16\) is on cpu"):
+        op(v["x"], v["y"].cpu(), None, None, None, None, None, EPS, torch.bfloat16, torch.bfloat16)
+    r, out, mean, rstd = op(v["x"].double(), v["y"].double(), None, None, None, None, None, EPS, torch.float64,
+                            torch.float64)
+    assert mean.dtype == torch.float64
+    assert_rel(out, F.layer_norm(v["x"].double() + v["y"].double(), (8,), eps=EPS), 1e-12, "out")
+    check_against_float64("layer_norm", (2, 5, 8), torch.bfloat16, "per-sample", "scale+shift", "per-sample",
+                          "per-sample", True, seed=1, device="cuda")
+
+
+@pytest.mark.cuda
+def test_kernels_autograd_on_cuda(kernels):
+    """The C++ AutogradCUDA kernel: a plain residual's dr_total reaches x and y (y in its own dtype);
+    gradients only for the inputs that need them; no double backward."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 16, 64, generator=gen).to("cuda").requires_grad_()
+    y = torch.randn(2, 16, 64, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+    scale = torch.randn(2, 1, 64, generator=gen).to("cuda")
+    r, out, *_ = OPS["rms_norm"](x, y, None, None, scale, None, EPS, torch.float32, torch.float32)
+    dx, dy = torch.autograd.grad((r * 3 + out.square()).sum(), (x, y))
+    assert dy.dtype == torch.bfloat16 and scale.grad is None
+    torch.testing.assert_close(dy, dx.to(torch.bfloat16), rtol=0, atol=0)
+    x_ref = x.detach().double().requires_grad_()
+    r_ref, out_ref = eager_site("rms_norm", x_ref, y.detach().double(), None, None, None, scale.double(), None)
+    (dx_ref,) = torch.autograd.grad((r_ref * 3 + out_ref.square()).sum(), x_ref)
+    assert_rel(dx, dx_ref, 2 * TOL[torch.float32], "dx")
+    r, out, *_ = OPS["rms_norm"](x, y, None, None, scale, None, EPS, torch.float32, torch.float32)
+    (dx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        dx.sum().backward()
+
+
+def test_cuda_paths_registered_and_the_patterns_read_fused_devices():
+    """The four CUDA paths are handed to the kernel module's dispatcher kernels when it loads, and the
+    FX patterns read FUSED_DEVICES itself: adding "cuda" there is the one change that fuses CUDA sites."""
+    from adaptiveload.fxfuse import registry
+
+    registry.patterns()  # the built-in patterns registered in their order before the module is imported here
+    from adaptiveload.ops.residual_norm_modulate.pattern import LAYER_NORM_PATTERN, RMS_NORM_PATTERN
+
+    assert LAYER_NORM_PATTERN.devices is RMS_NORM_PATTERN.devices is residual_op.FUSED_DEVICES
+    assert extension.CUDA_PATHS["residual_adaln_modulate"] is residual_op._residual_adaln_modulate_cuda
+    assert (extension.CUDA_PATHS["residual_rms_norm_modulate_backward"]
+            is residual_op._residual_rms_norm_modulate_backward_cuda)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (_bad(y=torch.randn(2, 1, 8)), ["y (shape [2, 1, 8]", "the shape of x [2, 5, 8]"]),
+    (_bad(gate=torch.randn(3, 1, 8)), ["gate (shape [3, 1, 8]", "not a supported modulation layout"]),
+    (_bad(scale=None), ["shift is given without scale"]),
+    (_bad(r_dtype=torch.int32), ["r_dtype must be a floating dtype"]),
+])
+def test_the_cuda_path_validates_before_any_kernel(kwargs, words):
+    """The Python CUDA path (the first CUDA call, and the calls the C++ kernels hand back) raises the
+    ValueError naming the tensor before it reaches the kernels (CPU tensors: no GPU needed)."""
+    a = kwargs
+    with pytest.raises(ValueError) as err:
+        residual_op._residual_adaln_modulate_cuda(a["x"], a["y"], a["gate"], a["weight"], a["bias"], a["scale"],
+                                                  a["shift"], EPS, a["r_dtype"], torch.float32)
+    assert str(err.value).startswith("residual_adaln_modulate: ")
+    for word in words:
+        assert word in str(err.value)
+    r = torch.ones(2, 5, 8)
+    with pytest.raises(ValueError, match=r"residual_rms_norm_modulate_backward: rstd \(shape \[2\]"):
+        residual_op._residual_rms_norm_modulate_backward_cuda(r, None, r, None, None, None, None, None, torch.ones(2),
+                                                              torch.float32)

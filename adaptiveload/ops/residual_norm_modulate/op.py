@@ -51,11 +51,14 @@ cast to y's dtype if it differs). Deterministic: no atomics.
 
 Registrations, one per dispatch key: the schemas, input validation (``ValueError`` naming the tensor,
 its shape and dtype), fake kernels, the autograd formula (an Autograd-key kernel around a
-``torch.autograd.Function`` calling the backward op; first derivatives only) and the reference
+``torch.autograd.Function`` calling the backward op; first derivatives only), the reference
 implementation (``reference.py``, CompositeExplicitAutograd: CPU, and any device without its own
-kernel). There is no CUDA kernel yet. A kernel plugs in with ``_lib_*.impl(<op>, kernel, "CUDA")``
-for both ops, taking these arguments, and "cuda" added to :data:`FUSED_DEVICES`: the FX pattern
-reads that set and nothing else.
+kernel) and the CUDA path (validation, then the ``csrc/residual_norm_modulate/`` kernels, or the
+reference where they do not apply: float64 anywhere, empty x, rows wider than 16,384, or the kernels
+unavailable). Once the kernels are loaded, CUDA calls go to their own CUDA and AutogradCUDA kernels,
+registered from C++ (``csrc/norm_modulate_dispatch.cu``), which hand the CUDA path below only the
+calls they do not take (see :mod:`adaptiveload.ops.extension`). The FX patterns fold residual sites
+on the device types of :data:`FUSED_DEVICES` and nothing else.
 """
 from __future__ import annotations
 
@@ -64,14 +67,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from adaptiveload.ops import common
+from adaptiveload.ops import common, extension
 from adaptiveload.ops.residual_norm_modulate import reference
 
 #: Device types on which the FX patterns fold the residual into the norm site. On CPU the reference
-#: is the only implementation of every op, so fusing costs nothing. On CUDA the reference would
-#: replace the existing norm→modulate kernel and Inductor's fused residual add with plain PyTorch
-#: math, so the patterns leave CUDA sites to ``adaln_modulate`` / ``rms_norm_modulate`` (and record
-#: why) until a CUDA kernel of both residual ops is registered; then add "cuda" here.
+#: is the only implementation of every op, so fusing costs nothing. The CUDA kernels of both ops
+#: (``csrc/residual_norm_modulate/``) are registered but not yet validated on a GPU; until they are,
+#: the patterns leave CUDA sites to ``adaln_modulate`` / ``rms_norm_modulate`` (and record why).
+#: Adding "cuda" here is the one change that makes the backend fuse CUDA residual sites.
 FUSED_DEVICES: frozenset[str] = frozenset({"cpu"})
 
 LAYER_NORM = "residual_adaln_modulate"
@@ -152,12 +155,17 @@ residual_rms_norm_modulate_backward = torch.ops.adaptiveload.residual_rms_norm_m
 
 
 def _residual_adaln_modulate_reference(x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype):
+    if x.is_cuda:  # until the kernels are loaded; then their own CUDA registration serves it
+        return _residual_adaln_modulate_cuda(x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype)
     common.validate(check_layer_norm_inputs, (x, y, gate, weight, bias, scale, shift), r_dtype, out_dtype, eps)
     return reference.layer_norm_forward(x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype)
 
 
 def _residual_adaln_modulate_backward_reference(dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd,
                                                 x_dtype):
+    if r.is_cuda:
+        return _residual_adaln_modulate_backward_cuda(dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd,
+                                                      x_dtype)
     common.validate(check_layer_norm_backward_inputs, (dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd),
                     x_dtype)
     grads = reference.layer_norm_backward(dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd, x_dtype)
@@ -165,11 +173,15 @@ def _residual_adaln_modulate_backward_reference(dout, dr, r, y, gate, weight, bi
 
 
 def _residual_rms_norm_modulate_reference(x, y, gate, weight, scale, shift, eps, r_dtype, out_dtype):
+    if x.is_cuda:
+        return _residual_rms_norm_modulate_cuda(x, y, gate, weight, scale, shift, eps, r_dtype, out_dtype)
     common.validate(check_rms_norm_inputs, (x, y, gate, weight, scale, shift), r_dtype, out_dtype, eps)
     return reference.rms_norm_forward(x, y, gate, weight, scale, shift, eps, r_dtype, out_dtype)
 
 
 def _residual_rms_norm_modulate_backward_reference(dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype):
+    if r.is_cuda:
+        return _residual_rms_norm_modulate_backward_cuda(dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype)
     common.validate(check_rms_norm_backward_inputs, (dout, dr, r, y, gate, weight, scale, shift, rstd), x_dtype)
     grads = reference.rms_norm_backward(dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype)
     return common.grads_or_empty(grads, r)
@@ -260,3 +272,70 @@ _differentiable(_lib_layer_norm, LAYER_NORM, n_norm=4)
 _lib_rms_norm.impl(RMS_NORM, _residual_rms_norm_modulate_reference, "CompositeExplicitAutograd")
 _lib_rms_norm.impl(f"{RMS_NORM}_backward", _residual_rms_norm_modulate_backward_reference, "CompositeExplicitAutograd")
 _differentiable(_lib_rms_norm, RMS_NORM, n_norm=3)
+
+
+# --- CUDA path --------------------------------------------------------------------------------------
+# Validation, then the kernels (``extension.kernels()``: the bindings residual_forward /
+# residual_backward and their RMSNorm twins take the op's own arguments) or the reference. Serves the
+# first CUDA call (before the kernels are loaded) and the calls the C++ dispatcher kernels hand back.
+
+
+def _layer_norm_kernels_take(x, y, gate, weight, bias, scale, shift, r_dtype, out_dtype, eps) -> bool:
+    """:func:`check_layer_norm_inputs`, then whether the CUDA kernels take these inputs (remembered per
+    signature by :func:`adaptiveload.ops.common.cuda_kernels`)."""
+    check_layer_norm_inputs(x, y, gate, weight, bias, scale, shift, r_dtype, out_dtype, eps)
+    return common.residual_kernels_apply(x, (y, gate, weight, bias, scale, shift), (r_dtype, out_dtype))
+
+
+def _layer_norm_backward_kernels_take(dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd, x_dtype) -> bool:
+    check_layer_norm_backward_inputs(dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd, x_dtype)
+    return common.residual_kernels_apply(r, (dout, dr, y, gate, weight, bias, scale, shift, mean, rstd), (x_dtype,))
+
+
+def _rms_norm_kernels_take(x, y, gate, weight, scale, shift, r_dtype, out_dtype, eps) -> bool:
+    check_rms_norm_inputs(x, y, gate, weight, scale, shift, r_dtype, out_dtype, eps)
+    return common.residual_kernels_apply(x, (y, gate, weight, scale, shift), (r_dtype, out_dtype))
+
+
+def _rms_norm_backward_kernels_take(dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype) -> bool:
+    check_rms_norm_backward_inputs(dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype)
+    return common.residual_kernels_apply(r, (dout, dr, y, gate, weight, scale, shift, rstd), (x_dtype,))
+
+
+def _residual_adaln_modulate_cuda(x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype):
+    ops = common.cuda_kernels(_layer_norm_kernels_take, (x, y, gate, weight, bias, scale, shift), r_dtype,
+                              out_dtype, eps)
+    if ops is None:
+        return reference.layer_norm_forward(x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype)
+    return ops.residual_forward(x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype)
+
+
+def _residual_adaln_modulate_backward_cuda(dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd, x_dtype):
+    ops = common.cuda_kernels(_layer_norm_backward_kernels_take,
+                              (dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd), x_dtype)
+    if ops is None:
+        grads = reference.layer_norm_backward(dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd, x_dtype)
+        return common.grads_or_empty(grads, r)
+    return ops.residual_backward(dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd, x_dtype)
+
+
+def _residual_rms_norm_modulate_cuda(x, y, gate, weight, scale, shift, eps, r_dtype, out_dtype):
+    ops = common.cuda_kernels(_rms_norm_kernels_take, (x, y, gate, weight, scale, shift), r_dtype, out_dtype, eps)
+    if ops is None:
+        return reference.rms_norm_forward(x, y, gate, weight, scale, shift, eps, r_dtype, out_dtype)
+    return ops.residual_rms_forward(x, y, gate, weight, scale, shift, eps, r_dtype, out_dtype)
+
+
+def _residual_rms_norm_modulate_backward_cuda(dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype):
+    ops = common.cuda_kernels(_rms_norm_backward_kernels_take, (dout, dr, r, y, gate, weight, scale, shift, rstd),
+                              x_dtype)
+    if ops is None:
+        grads = reference.rms_norm_backward(dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype)
+        return common.grads_or_empty(grads, r)
+    return ops.residual_rms_backward(dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype)
+
+
+extension.CUDA_PATHS.update({LAYER_NORM: _residual_adaln_modulate_cuda,
+                              f"{LAYER_NORM}_backward": _residual_adaln_modulate_backward_cuda,
+                              RMS_NORM: _residual_rms_norm_modulate_cuda,
+                              f"{RMS_NORM}_backward": _residual_rms_norm_modulate_backward_cuda})

@@ -1,0 +1,247 @@
+"""Speed, determinism and accuracy of the residual norm-site ops (``residual_adaln_modulate``,
+``residual_rms_norm_modulate``) on one GPU.
+
+For each variant of :data:`VARIANTS` (the prologue, norm and modulation of a model's residual site;
+bf16 x and y; per-sample gate, scale and shift as .chunk() views of one [B, 6D] embedding, a per-token
+gate as its own [B, N, D] tensor) and each shape:
+
+* op GPU time (triton.testing.do_bench median, ms) of the forward op and of the backward op (dout and
+  dr both given), and their fraction of speed-of-light (SoL): the bytes that must move over the
+  device-to-device copy bandwidth measured in the same run. Bytes count each x-sized tensor in its own
+  dtype: forward reads x, y and writes r, out (4 moves; + a per-token gate read); backward reads dout,
+  dr, r (+ y with a gate) and writes dx (+ dy with a gate): 6 moves gated, 4 plain (+ a per-token
+  gate read and its dgate written). Per-row statistics and per-sample rows are not counted.
+* determinism: the backward run 3 times, every output bit-identical to the first.
+* accuracy against float64 (||out - ref|| / ||ref||) of r, out and every gradient, beside Inductor's
+  (torch.compile of the same chain written in PyTorch: the sum in float32 rounded once to x's dtype,
+  the norm of r as rounded, the modulation in float32, out rounded once), on ``--acc-N`` tokens.
+
+Writes ``<out>/residual_<tag>.json`` and ``.md`` with the GPU, torch version, date and exact command.
+Usage: python benchmarks/bench_residual.py [--B 1] [--N 65536] [--D 1536 3072 5120] [--tag h200]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench_adaln import copy_bandwidth
+from results_file import run_context, write_json_and_markdown
+
+EPS = 1e-6
+FWD_TARGET, BWD_TARGET = 0.85, 0.75
+# name -> the site: norm, gate layout (None: x + y), modulation, modulation dtype, affine norm
+VARIANTS = {
+    "wan-gated": dict(norm="layer_norm", gate="per-sample", modulation="scale+shift", mod_dtype=torch.float32,
+                      affine=False),  # Wan's norm3 / next norm1: fp32 modulation from the time embedding
+    "flux-gated": dict(norm="layer_norm", gate="per-sample", modulation="scale+shift", mod_dtype=torch.bfloat16,
+                       affine=False),  # Flux / SD3: x + gate * y in bf16, then the modulated norm
+    "plain-affine": dict(norm="layer_norm", gate=None, modulation="none", mod_dtype=None,
+                         affine=True),  # Wan's cross-attention norm2 behind x + y
+    "rms-gated-scale": dict(norm="rms_norm", gate="per-sample", modulation="scale", mod_dtype=torch.bfloat16,
+                            affine=True),  # an RMSNorm site, scale-only (Lumina2-style)
+    "per-token-gate": dict(norm="layer_norm", gate="per-token", modulation="scale+shift", mod_dtype=torch.bfloat16,
+                           affine=False),  # per-token timesteps (Wan 2.2)
+}
+OPS = {"layer_norm": (torch.ops.adaptiveload.residual_adaln_modulate,
+                      torch.ops.adaptiveload.residual_adaln_modulate_backward),
+       "rms_norm": (torch.ops.adaptiveload.residual_rms_norm_modulate,
+                    torch.ops.adaptiveload.residual_rms_norm_modulate_backward)}
+
+
+def make_inputs(B, N, D, v, gen, dtype=torch.bfloat16) -> dict:
+    """The site's tensors by name (None for absent ones), on the GPU."""
+    def randn(*shape, scale=1.0, dt=dtype):
+        return (scale * torch.randn(*shape, device="cuda", generator=gen)).to(dt)
+
+    t = {"x": randn(B, N, D), "y": randn(B, N, D), "gate": None, "weight": None, "bias": None, "scale": None,
+         "shift": None}
+    if v["mod_dtype"] is not None:
+        shift, scale, gate, *_ = randn(B, 6 * D, scale=0.3, dt=v["mod_dtype"]).chunk(6, dim=-1)
+        if v["modulation"] != "none":
+            t["scale"] = scale.unsqueeze(1)
+            t["shift"] = shift.unsqueeze(1) if v["modulation"] == "scale+shift" else None
+        if v["gate"] == "per-sample":
+            t["gate"] = gate.unsqueeze(1)
+        elif v["gate"] == "per-token":
+            t["gate"] = randn(B, N, D, scale=0.3, dt=v["mod_dtype"])
+    if v["affine"]:
+        t["weight"] = (1 + randn(D, scale=0.1, dt=torch.float32)).to(dtype)
+        t["bias"] = randn(D, scale=0.1) if v["norm"] == "layer_norm" else None
+    return t
+
+
+def forward(v, t, r_dtype, out_dtype):
+    op = OPS[v["norm"]][0]
+    norm_args = (t["weight"], t["bias"]) if v["norm"] == "layer_norm" else (t["weight"],)
+    return op(t["x"], t["y"], t["gate"], *norm_args, t["scale"], t["shift"], EPS, r_dtype, out_dtype)
+
+
+def backward_args(v, t, dout, dr, r, stats) -> tuple:
+    norm_args = (t["weight"], t["bias"]) if v["norm"] == "layer_norm" else (t["weight"],)
+    y = t["y"] if t["gate"] is not None else None
+    return (dout, dr, r, y, t["gate"], *norm_args, t["scale"], t["shift"], *stats, t["x"].dtype)
+
+
+def sol_bytes(v, t) -> tuple[int, int]:
+    """Bytes the forward and the backward must move (the module doc's count)."""
+    x = t["x"]
+    n = x.numel()
+    size = x.element_size()
+    fwd = 4 * n * size
+    gated = t["gate"] is not None
+    bwd = (6 if gated else 4) * n * size
+    if gated and v["gate"] == "per-token":
+        fwd += n * t["gate"].element_size()
+        bwd += 2 * n * t["gate"].element_size()
+    return fwd, bwd
+
+
+def chain(v, x, y, gate, weight, bias, scale, shift):
+    """The site written in PyTorch (what Inductor compiles): ``(r, out)``."""
+    branch = y.float() if gate is None else y.float() * gate.float()
+    r = (x.float() + branch).to(x.dtype)
+    w = None if weight is None else weight.float()
+    if v["norm"] == "layer_norm":
+        n = F.layer_norm(r.float(), (r.shape[-1],), w, None if bias is None else bias.float(), EPS)
+    else:
+        n = F.rms_norm(r.float(), (r.shape[-1],), w, EPS)
+    if scale is not None:
+        n = n * (1 + scale.float())
+        n = n if shift is None else n + shift.float()
+    return r, n.to(x.dtype)
+
+
+def rel_err(out, ref) -> float:
+    return ((out.double() - ref.double()).norm() / ref.norm()).item()
+
+
+def accuracy(B, N, D, v, gen) -> dict:
+    """Relative error vs float64 of r, out and every gradient, for the op and for Inductor."""
+    t = make_inputs(B, N, D, v, gen)
+    probes = [torch.randn(t["x"].shape, device="cuda", generator=gen, dtype=torch.float64) for _ in range(2)]
+    names = [k for k in ("x", "y", "gate", "weight", "bias", "scale", "shift") if t[k] is not None]
+
+    bases, labels = {}, ["r", "out"]  # one leaf per distinct tensor (the embedding's chunks share one)
+    for k in names:
+        base = t[k]._base if t[k]._base is not None else t[k]
+        if id(base) not in bases:
+            bases[id(base)] = base
+            labels.append("d(emb)" if t[k]._base is not None else f"d{k}")
+
+    def run(fn, cast):
+        leaves = {i: b.detach().to(cast or b.dtype).requires_grad_() for i, b in bases.items()}
+        views = {}
+        for k in names:  # the same views, now of the leaves
+            base = t[k]._base if t[k]._base is not None else t[k]
+            leaf = leaves[id(base)]
+            views[k] = leaf if t[k]._base is None else leaf.as_strided(t[k].shape, t[k].stride(),
+                                                                       t[k].storage_offset())
+        r, out = fn(*(views.get(k) for k in ("x", "y", "gate", "weight", "bias", "scale", "shift")))
+        loss = (r.double() * probes[0]).sum() + (out.double() * probes[1]).sum()
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        return [r.detach(), out.detach(), *grads]
+
+    def fused(x, y, gate, weight, bias, scale, shift):
+        tt = {"x": x, "y": y, "gate": gate, "weight": weight, "bias": bias, "scale": scale, "shift": shift}
+        return tuple(forward(v, tt, x.dtype, x.dtype)[:2])
+
+    ref = run(lambda *a: chain(v, *a), torch.float64)
+    got = run(fused, None)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: chain(v, *a), dynamic=False)
+    inductor = run(compiled, None)
+    return {name: {"fused": rel_err(g, r), "inductor": rel_err(i, r)}
+            for name, g, i, r in zip(labels, got, inductor, ref)}
+
+
+def run_shape(tt, B, N, D, name, v, bw, gen) -> dict:
+    t = make_inputs(B, N, D, v, gen)
+    dtype = t["x"].dtype
+    r, out, *stats = forward(v, t, dtype, dtype)
+    dout, dr = torch.randn_like(out), torch.randn_like(r)
+    args = backward_args(v, t, dout, dr, r, stats)
+    bwd = OPS[v["norm"]][1]
+    fwd_ms = tt.do_bench(lambda: forward(v, t, dtype, dtype), warmup=25, rep=150, return_mode="median")
+    bwd_ms = tt.do_bench(lambda: bwd(*args), warmup=25, rep=150, return_mode="median")
+    first = bwd(*args)
+    identical = all(all(torch.equal(a, b) for a, b in zip(first, bwd(*args))) for _ in range(2))
+    fb, bb = sol_bytes(v, t)
+    sol_f, sol_b = fb / bw * 1e3, bb / bw * 1e3
+    return {"variant": name, "B": B, "N": N, "D": D, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_sol": sol_f / fwd_ms,
+            "bwd_sol": sol_b / bwd_ms, "fwd_bytes": fb, "bwd_bytes": bb, "backward_bit_identical_3_runs": identical}
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# residual norm-site ops on {doc['gpu']} (torch {doc['torch']}, {doc['date']})", "",
+             f"Command: `{doc['command']}`", "",
+             f"Copy bandwidth (read + write): {doc['copy_tb_s']:.2f} TB/s. Targets: forward >= "
+             f"{FWD_TARGET:.0%}, backward >= {BWD_TARGET:.0%} of SoL.", "",
+             "| variant | B | N | D | fwd ms | fwd SoL | bwd ms | bwd SoL | fwd / bwd MB | bwd bit-identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        lines.append(f"| {r['variant']} | {r['B']} | {r['N']} | {r['D']} | {r['fwd_ms']:.3f} | {r['fwd_sol']:.1%} | "
+                     f"{r['bwd_ms']:.3f} | {r['bwd_sol']:.1%} | {r['fwd_bytes'] / 1e6:.0f} / {r['bwd_bytes'] / 1e6:.0f} | "
+                     f"{r['backward_bit_identical_3_runs']} |")
+    lines += ["", f"Accuracy vs float64 (rel. error), N = {doc['acc_N']}: fused op / Inductor", ""]
+    for a in doc["accuracy"]:
+        cells = ", ".join(f"{k} {e['fused']:.2e} / {e['inductor']:.2e}" for k, e in a["errors"].items())
+        lines.append(f"- {a['variant']}, D = {a['D']}: {cells}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--B", type=int, nargs="+", default=[1])
+    parser.add_argument("--N", type=int, default=65536)
+    parser.add_argument("--D", type=int, nargs="+", default=[1536, 3072, 5120])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--acc-N", type=int, default=4096, help="sequence length of the accuracy rows")
+    parser.add_argument("--acc-D", type=int, nargs="+", default=[3072], help="widths of the accuracy rows")
+    parser.add_argument("--no-accuracy", action="store_true", help="skip the accuracy rows (Inductor compiles)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--tag", default="h200", help="results file name: residual_<tag>.json / .md")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_residual: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    os.environ["ADAPTIVELOAD_REQUIRE_KERNEL"] = "1"
+    import triton.testing as tt
+
+    import adaptiveload  # noqa: F401
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bw = copy_bandwidth(tt)
+    print(f"copy {bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for B in args.B:
+        for D in args.D:
+            for name in args.variants:
+                row = run_shape(tt, B, args.N, D, name, VARIANTS[name], bw, gen)
+                rows.append(row)
+                print(f"{name} B={B} N={args.N} D={D}: fwd {row['fwd_ms']:.3f} ms ({row['fwd_sol']:.1%} SoL), "
+                      f"bwd {row['bwd_ms']:.3f} ms ({row['bwd_sol']:.1%}), "
+                      f"bit-identical {row['backward_bit_identical_3_runs']}", flush=True)
+                torch.cuda.empty_cache()
+    acc = []
+    if not args.no_accuracy:
+        for D in args.acc_D:
+            for name in args.variants:
+                errors = accuracy(1, args.acc_N, D, VARIANTS[name], gen)
+                acc.append({"variant": name, "D": D, "errors": errors})
+                print(f"accuracy {name} D={D}: " + ", ".join(
+                    f"{k} {e['fused']:.2e}/{e['inductor']:.2e}" for k, e in errors.items()), flush=True)
+    doc = {**run_context(__file__, argv), "gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda,
+           "copy_tb_s": bw / 1e12, "acc_N": args.acc_N, "rows": rows, "accuracy": acc}
+    text = markdown(doc)
+    write_json_and_markdown(str(args.out), f"residual_{args.tag}", doc, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

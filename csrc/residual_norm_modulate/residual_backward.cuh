@@ -1,0 +1,346 @@
+// Backward kernels of the residual norm-site ops (templates on the norm and r's dtype Tr; instantiated
+// in residual_backward_<dtype>.cu).
+//
+// Per element (r_hat = (r - mean) * rstd, RMSNorm: mean = 0 and no bias; s1 = 1 + a per-token scale,
+// else 1; cf = w * (1 + scale_b) for a per-sample or shared scale, else w; g = dout * s1 * cf):
+//   dr_norm  = rstd * (g - mean_D(g) - r_hat * mean_D(g * r_hat))      (RMSNorm: without mean_D(g))
+//   dr_total = dr_norm + dr  (fp32; dr absent: dr_norm);   dx = dr_total in dx's dtype
+//   dy = gate * dr_total in y's dtype;   dgate = y * dr_total (per element for a per-token gate)
+//   per-token scale: dscale = dout * (r_hat * w + b);  per-token shift: dshift = dout (per element)
+// and per column, summed over a tile's rows into the [kResPlanes, tiles, B, D] workspace:
+//   P0 = sum dout * s1 * r_hat,  P1 = sum dout * s1,  P2 = sum dout,  P3 = sum y * dr_total,
+// from which the final reduction (res_reduce_kernel) forms, per sample b (f_b = 1 + scale_b for a
+// per-sample or shared scale, else 1):
+//   dscale_b = w * P0 + b * P1,  dshift_b = P1 (per-token scale: P2),  dgate_b = P3,
+//   dweight = sum_b f_b * P0,  dbias = sum_b f_b * P1.
+// No atomics: every sum has a fixed order, so two runs give bit-identical gradients.
+//
+// One pass (rows up to kResOnePassChunks chunks a thread): a block owns a tile of consecutive rows of
+// one sample (one wave of blocks, as the norm -> modulate backward); a row stays in registers across
+// its block reduction (the two row sums need all of D), and the column partials accumulate in
+// registers, written once per block. dr and y are issued before the reduction at one chunk a thread,
+// after it at more (fewer registers held across the barrier); a per-token gate row after it. dout,
+// dr, y, dx and dy are read and written as IO says (TypedRows<Tr> when all have r's dtype, else
+// AnyRows). No prefetch of the next row and no shared-memory ring yet.
+// Two kernels (wider rows, or BwdArgs-style forced by Tuning::two_kernel): the row kernel computes dx
+// and the per-element gradients and saves the two row sums; res_bwd_col_kernel then recomputes
+// dr_total per element from dout, r, dr, y and the saved sums for the partials.
+#pragma once
+
+#include "residual_norm_modulate/residual_forward.cuh"
+
+namespace adaln {
+
+// dr_total of one element: the same rounding steps in both kernels (no FMA contraction), so the two
+// designs' dx and partials see the same value.
+__device__ __forceinline__ float res_dr_total(float g, float xh, float rstd, float mg, float mgx, float dr) {
+  return __fadd_rn(__fmul_rn(rstd, __fsub_rn(__fsub_rn(g, mg), __fmul_rn(xh, mgx))), dr);
+}
+
+template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3>
+__global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdArgs a) {
+  constexpr bool RMS = N == Norm::RMS;
+  constexpr int NS = RMS ? 1 : 2;  // row sums: [sum g,] sum g * r_hat
+  constexpr int VEC = kResVec;
+  constexpr bool kEarly = C == 1;  // dr and y issued before the row's reduction (else after it)
+  using RawIO = typename IO::template RawT<VEC>;
+  __shared__ float red[2 * 2 * 32];
+  int parity = 0;
+  const int64_t b = blockIdx.x / a.tiles, tile = blockIdx.x % a.tiles;
+  const int64_t n0 = tile * a.rows_per_tile;
+  const int64_t n1 = min(a.N, n0 + a.rows_per_tile);
+  if (n0 >= n1) return;
+  const int D = a.D, T = blockDim.x, tid = threadIdx.x;
+  const bool al = a.aligned;
+  const bool has_gate = a.gate.ptr != nullptr;
+  const bool gpt = has_gate && a.gate.sn != 0;  // per-token gate
+  const bool p2 = SPT && a.dshift_rows != nullptr;
+  const Tr* __restrict__ rp = static_cast<const Tr*>(a.r);
+
+  // per-column coefficients in shared memory: cf (w * (1 + scale_b), or w with a per-token scale or
+  // none), the bias (a per-token scale's dscale) and a per-sample or shared gate
+  extern __shared__ float4 coef_smem[];
+  const int arr = C * (VEC / 4) * T;
+  const CoefRow<VEC> coef{coef_smem}, bias_row{coef_smem + arr}, gate_row{coef_smem + 2 * arr};
+  float p0[C][VEC], p1[C][VEC], p2s[C][VEC], p3[C][VEC];
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int col = (c * T + tid) * VEC;
+    float w[VEC], s[VEC], bb[VEC], g[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      w[j] = 1.f, s[j] = 0.f, bb[j] = 0.f, g[j] = 0.f;
+      p0[c][j] = p1[c][j] = p2s[c][j] = p3[c][j] = 0.f;
+    }
+    if (col < D) {
+      if (a.weight) load_f<float, VEC>(a.weight, col, D, al, w);
+      if (a.bias) load_f<float, VEC>(a.bias, col, D, al, bb);
+      if (!SPT && a.scale.ptr) load_any_f<VEC>(mod_row(a.scale, b, 0), a.scale.t, col, D, al, s);
+      if (has_gate && !gpt) load_any_f<VEC>(mod_row(a.gate, b, 0), a.gate.t, col, D, al, g);
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) w[j] *= 1.f + s[j];
+    coef.store(c, w);
+    bias_row.store(c, bb);
+    gate_row.store(c, g);
+  }
+
+  const float inv_d = 1.f / static_cast<float>(D);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int64_t row = b * a.N + n;
+    const int64_t off = row * static_cast<int64_t>(D);
+    const float mean = RMS ? 0.f : a.mean[row], rstd = a.rstd[row];
+    // this row, raw: r, dout, a per-token scale row (SPT); with kEarly also dr and y
+    Raw<Tr, VEC> cr[C];
+    RawIO cdo[C], cdr[C], cy[C];
+    AnyRaw<VEC> cs[SPT ? C : 1];
+    load_chunks(rp + off, D, T, tid, al, cr);
+    IO::template load<VEC, C>(IO::at(a.dout, a.dot, off), a.dot, D, T, tid, al, cdo);
+    if constexpr (SPT) load_chunks_any<VEC, C>(mod_row(a.scale, b, n), a.scale.t, D, T, tid, al, cs);
+    auto load_late = [&]() {  // what only the second half of the row needs
+      if (a.dr) IO::template load<VEC, C>(IO::at(a.dr, a.drt, off), a.drt, D, T, tid, al, cdr);
+      if (has_gate) IO::template load<VEC, C>(IO::at(a.y, a.yt, off), a.yt, D, T, tid, al, cy);
+    };
+    if constexpr (kEarly) load_late();
+    // s1 = 1 + the per-token scale of element j of chunk c (SPT), else 1
+    auto scale1 = [&](int c, float (&s1)[VEC]) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s1[j] = 1.f;
+      if constexpr (SPT) {
+        any_to_f<VEC>(cs[c], a.scale.t, s1);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) s1[j] += 1.f;
+      }
+    };
+
+    float sums[NS] = {};
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int col = (c * T + tid) * VEC;
+      float cf[VEC], dof[VEC], s1[VEC];
+      coef.load(c, cf);
+      IO::template to_f<VEC>(cdo[c], a.dot, dof);  // zero past D, so it masks every sum
+      scale1(c, s1);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float xh = (to_f<Tr>(cr[c].v[j]) - mean) * rstd;
+        // __fmul_rn: the g recomputed after the barrier is bit-identical (see norm_modulate_backward.cuh)
+        const float g = __fmul_rn(__fmul_rn(dof[j], s1[j]), cf[j]);
+        if constexpr (!RMS) sums[0] += g;
+        sums[NS - 1] += g * xh;
+        if constexpr (ACC) {
+          p0[c][j] += dof[j] * s1[j] * xh;
+          p1[c][j] += dof[j] * s1[j];
+          if (p2) p2s[c][j] += dof[j];
+        }
+      }
+      // per-element gradients of per-token modulation need no row sum: stored before the barrier
+      if (col < D) {
+        if constexpr (SPT) {  // dscale = dout * (r_hat * w + b)  (cf = w here)
+          float bb[VEC], ds[VEC];
+          bias_row.load(c, bb);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) ds[j] = dof[j] * ((to_f<Tr>(cr[c].v[j]) - mean) * rstd * cf[j] + bb[j]);
+          store_any<VEC>(elem_ptr(a.dscale_el, a.dscale_t, off), a.dscale_t, col, D, al, ds);
+        }
+        if (a.dshift_el) store_any<VEC>(elem_ptr(a.dshift_el, a.dshift_t, off), a.dshift_t, col, D, al, dof);
+      }
+    }
+    block_sum<NS>(sums, red, parity);
+    const float mg = RMS ? 0.f : sums[0] * inv_d, mgx = sums[NS - 1] * inv_d;
+    if (a.rowsums && tid == 0) a.rowsums[2 * row] = mg, a.rowsums[2 * row + 1] = mgx;  // (two kernels)
+    if constexpr (!kEarly) load_late();
+
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int col = (c * T + tid) * VEC;
+      if (col >= D) continue;
+      float cf[VEC], dof[VEC], s1[VEC], drf[VEC], tot[VEC];
+      coef.load(c, cf);
+      IO::template to_f<VEC>(cdo[c], a.dot, dof);
+      scale1(c, s1);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) drf[j] = 0.f;
+      if (a.dr) IO::template to_f<VEC>(cdr[c], a.drt, drf);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float xh = (to_f<Tr>(cr[c].v[j]) - mean) * rstd;
+        const float g = __fmul_rn(__fmul_rn(dof[j], s1[j]), cf[j]);
+        tot[j] = res_dr_total(g, xh, rstd, mg, mgx, drf[j]);
+      }
+      IO::template store<VEC>(IO::at(a.dx, a.dxt, off), a.dxt, col, D, al, tot);
+      if (has_gate) {
+        float gv[VEC], yf[VEC], o[VEC];
+        if (gpt) load_any_f<VEC>(mod_row(a.gate, b, n), a.gate.t, col, D, al, gv);
+        else gate_row.load(c, gv);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) o[j] = __fmul_rn(gv[j], tot[j]);
+        IO::template store<VEC>(IO::at(a.dy, a.yt, off), a.yt, col, D, al, o);
+        IO::template to_f<VEC>(cy[c], a.yt, yf);  // (zero past D)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          o[j] = __fmul_rn(yf[j], tot[j]);
+          if constexpr (P3) p3[c][j] += o[j];
+        }
+        if (gpt) store_any<VEC>(elem_ptr(a.dgate_el, a.dgate_t, off), a.dgate_t, col, D, al, o);
+      }
+    }
+  }
+
+  if constexpr (ACC) {
+    const int64_t plane = a.tiles * a.B * D;
+    float* ws = a.ws + (tile * a.B + b) * static_cast<int64_t>(D);
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int col = (c * T + tid) * VEC;
+      if (col >= D) continue;
+      store_f<float, VEC>(ws, col, D, al, p0[c]);
+      store_f<float, VEC>(ws + plane, col, D, al, p1[c]);
+      if (p2) store_f<float, VEC>(ws + 2 * plane, col, D, al, p2s[c]);
+      if constexpr (P3) store_f<float, VEC>(ws + 3 * plane, col, D, al, p3[c]);
+    }
+  }
+}
+
+// Two-kernel design's column kernel: grid (ceil(D / 32), tiles, B), block (32, 8); thread (tx, ty)
+// owns feature d = 32 * blockIdx.x + tx and rows n0 + ty, n0 + ty + 8, ... of its tile, recomputing
+// each element's terms from dout, r, (dr, y, a per-token scale) and the row sums the row kernel saved;
+// the 8 row groups are then summed in shared memory in a fixed order into the workspace.
+template <Norm N, typename Tr>
+__global__ void __launch_bounds__(256) res_bwd_col_kernel(const ResBwdArgs a) {
+  __shared__ float part[kResPlanes][8][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int d = blockIdx.x * 32 + tx;
+  const int64_t tile = blockIdx.y, b = blockIdx.z;
+  const int64_t n0 = tile * a.rows_per_tile, n1 = min(a.N, n0 + a.rows_per_tile);
+  const bool spt = a.scale.ptr && a.scale.sn != 0;
+  const bool p3 = a.dgate_rows != nullptr;
+  const Tr* __restrict__ rp = static_cast<const Tr*>(a.r);
+  float q[kResPlanes] = {};
+  if (d < a.D) {
+    const float w = a.weight ? a.weight[d] : 1.f;
+    const float cf = (a.scale.ptr && !spt) ? w * (1.f + load1(a.scale.ptr, a.scale.t, b * a.scale.sb + d)) : w;
+    for (int64_t n = n0 + ty; n < n1; n += 8) {
+      const int64_t row = b * a.N + n, i = row * a.D + d;
+      const float mean = N == Norm::RMS ? 0.f : a.mean[row], rstd = a.rstd[row];
+      const float xh = (to_f<Tr>(rp[i]) - mean) * rstd;
+      const float dof = load1(a.dout, a.dot, i);
+      const float s1 = spt ? 1.f + load1(a.scale.ptr, a.scale.t, b * a.scale.sb + n * a.scale.sn + d) : 1.f;
+      q[0] += dof * s1 * xh;
+      q[1] += dof * s1;
+      q[2] += dof;
+      if (p3) {
+        const float g = __fmul_rn(__fmul_rn(dof, s1), cf);
+        const float dr = a.dr ? load1(a.dr, a.drt, i) : 0.f;
+        const float tot = res_dr_total(g, xh, rstd, a.rowsums[2 * row], a.rowsums[2 * row + 1], dr);
+        q[3] += __fmul_rn(load1(a.y, a.yt, i), tot);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kResPlanes; ++k) part[k][ty][tx] = q[k];
+  __syncthreads();
+  if (ty == 0 && d < a.D) {
+    const int64_t plane = a.tiles * a.B * a.D;
+    float* ws = a.ws + (tile * a.B + b) * a.D + d;
+#pragma unroll
+    for (int k = 0; k < kResPlanes; ++k) {
+      float s = 0.f;
+      for (int i = 0; i < 8; ++i) s += part[k][i][tx];
+      ws[k * plane] = s;
+    }
+  }
+}
+
+// Final column reduction: grid ceil(D / 32), block (32, 16); per sample, the tiles of each plane
+// summed in a fixed order (tile_column_sums), then the per-sample rows and the dweight / dbias totals
+// (fp32) formed as the header says. (A template only so that each dtype's file has its own instance.)
+template <typename Tr>
+__global__ void __launch_bounds__(512) res_reduce_kernel(const ResBwdArgs a) {
+  __shared__ float part[kResPlanes][16][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int d = blockIdx.x * 32 + tx;
+  const int64_t plane = a.tiles * a.B * a.D;
+  const bool spt = a.scale.ptr && a.scale.sn != 0;
+  const bool reduced_scale = a.scale.ptr && !spt;
+  const bool use[kResPlanes] = {true, true, spt && a.dshift_rows != nullptr, a.dgate_rows != nullptr};
+  const float w = (a.weight && d < a.D) ? a.weight[d] : 1.f;
+  const float bb = (a.bias && d < a.D) ? a.bias[d] : 0.f;
+  float dw = 0.f, db = 0.f;
+  for (int64_t b = 0; b < a.B; ++b) {
+    float s[kResPlanes];
+    tile_column_sums<kResPlanes>(a.ws, plane, a.tiles, a.B, a.D, b, d, use, part, s);
+    if (ty == 0 && d < a.D) {
+      const float f = reduced_scale ? 1.f + load1(a.scale.ptr, a.scale.t, b * a.scale.sb + d) : 1.f;
+      if (a.dscale_rows) a.dscale_rows[b * a.D + d] = w * s[0] + bb * s[1];
+      if (a.dshift_rows) a.dshift_rows[b * a.D + d] = spt ? s[2] : s[1];
+      if (a.dgate_rows) a.dgate_rows[b * a.D + d] = s[3];
+      dw += f * s[0];
+      db += f * s[1];
+    }
+  }
+  if (ty == 0 && d < a.D) {
+    if (a.dweight) a.dweight[d] = dw;
+    if (a.dbias) a.dbias[d] = db;
+  }
+}
+
+// Shared memory of the backward row kernel's coefficient rows (cf, bias, gate).
+inline size_t res_bwd_smem(int threads, int chunks) {
+  return static_cast<size_t>(3) * chunks * kResVec * threads * sizeof(float);
+}
+
+// f(kernel): the row kernel for a's plan (chunks, one pass or two kernels, a per-token scale, the
+// partials it keeps, how it reads the row tensors).
+template <Norm N, typename Tr, typename F>
+void res_bwd_row_kernel_for(const ResBwdArgs& a, const F& f) {
+  const bool one_pass = a.columns() && !a.two_kernel;
+  const bool spt = a.scale.ptr && a.scale.sn != 0, p3 = a.dgate_rows != nullptr;
+  // dout, dr, y and dx of r's dtype (the common case): their rows raw in Tr
+  constexpr DType kTr = dtype_of<Tr>();
+  const bool typed = a.dot == kTr && (!a.dr || a.drt == kTr) && (!a.y || a.yt == kTr) && a.dxt == kTr;
+  auto by_io = [&](auto io) {
+    using IO = decltype(io);
+    with_chunk_count<kResMaxChunks>(a.chunks, [&](auto chunks) {
+      constexpr int kC = decltype(chunks)::value;
+      if constexpr (kC <= kResOnePassChunks) {
+        if (one_pass) {
+          if (spt && p3) f(res_bwd_row_kernel<N, Tr, kC, IO, true, true, true>);
+          else if (spt) f(res_bwd_row_kernel<N, Tr, kC, IO, true, true, false>);
+          else if (p3) f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, true>);
+          else f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, false>);
+          return;
+        }
+      }
+      if (spt) f(res_bwd_row_kernel<N, Tr, kC, IO, true, false, false>);
+      else f(res_bwd_row_kernel<N, Tr, kC, IO, false, false, false>);
+    });
+  };
+  if (typed) by_io(TypedRows<Tr>{});
+  else by_io(AnyRows{});
+}
+
+template <Norm N, typename Tr>
+void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
+  if (!launch) {
+    const RowShape rs = res_row_shape(a.D, a.max_threads);
+    a.threads = rs.threads;
+    a.chunks = rs.chunks;
+    a.two_kernel = a.columns() && (a.two_kernel || rs.chunks > kResOnePassChunks);
+    res_bwd_row_kernel_for<N, Tr>(a, [&](auto kernel) {
+      one_wave(kernel, a.threads, res_bwd_smem(a.threads, a.chunks), a.B, a.N, false, a.tiles, a.rows_per_tile);
+    });
+    return;
+  }
+  res_bwd_row_kernel_for<N, Tr>(a, [&](auto kernel) {
+    kernel<<<static_cast<unsigned>(a.B * a.tiles), a.threads, res_bwd_smem(a.threads, a.chunks), stream>>>(a);
+  });
+  if (!a.columns()) return;
+  if (a.two_kernel) {
+    dim3 grid((a.D + 31) / 32, static_cast<unsigned>(a.tiles), static_cast<unsigned>(a.B));
+    res_bwd_col_kernel<N, Tr><<<grid, dim3(32, 8), 0, stream>>>(a);
+  }
+  res_reduce_kernel<Tr><<<(a.D + 31) / 32, dim3(32, 16), 0, stream>>>(a);
+}
+
+}  // namespace adaln

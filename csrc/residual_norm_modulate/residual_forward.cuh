@@ -1,0 +1,196 @@
+// Forward kernel of the residual norm-site ops (template on the norm and r's dtype Tr; instantiated in
+// residual_forward_<dtype>.cu): one launch reads x, y (and gate, modulation) once and writes r, out
+// and the per-row statistics.
+//
+// Grid: B * tiles blocks, one wave (blocks per SM from the occupancy calculator); block i of a
+// sample takes rows i, i + tiles, i + 2 tiles, ... (the interleaved order of the norm -> modulate
+// forward, without its short blocks after the wave). A per-sample or shared gate, scale and shift
+// are read once per block into per-column coefficients in shared memory:
+//     alpha = w * (1 + scale),  beta = b * (1 + scale) + shift,  g = gate (1 without a gate);
+// per-token rows are read with their row. Per row:
+//     r = round_Tr(x + g * y)          (fp32 multiply, then add: no FMA, as eager and Inductor round)
+//     mean, rstd of r as rounded (two block sums, fp32; RMSNorm: one, the mean of squares)
+//     out = (r - mean) * rstd * alpha + beta   (a per-token scale multiplies alpha and beta, a per-token
+//                                               shift adds to beta; then rounded once to out's dtype)
+// A block of T threads covers a row; thread t owns the groups of 8 elements t, t + T, ... (C of them):
+// r stays in registers in fp32 between the reductions, and the next row's x and y are loaded raw
+// while this row is reduced (up to kResPrefetchChunks chunks). x, y and out are read and written as
+// IO says: TypedRows<Tr> when all three have r's dtype (raw rows in Tr), else AnyRows (each in its
+// own dtype, twice the registers for a 16-bit raw row). No shared-memory ring yet.
+#pragma once
+
+#include "residual_norm_modulate/residual.cuh"
+
+namespace adaln {
+
+// Row n of sample b of modulation m: its element pointer (a per-sample row ignores n, a shared one b).
+__device__ __forceinline__ const void* mod_row(const ModView& m, int64_t b, int64_t n) {
+  return elem_ptr(m.ptr, m.t, b * m.sb + n * m.sn);
+}
+
+template <Norm N, typename Tr, int C, bool PT, typename IO>
+__global__ void __launch_bounds__(kMaxThreads) res_fwd_kernel(const ResFwdArgs a, int64_t tiles) {
+  constexpr bool RMS = N == Norm::RMS;
+  constexpr int VEC = kResVec;
+  constexpr bool kPrefetch = C <= kResPrefetchChunks;
+  __shared__ float red[2 * 1 * 32];
+  int parity = 0;
+  const int64_t b = blockIdx.x / tiles, t = blockIdx.x % tiles;
+  if (t >= a.N) return;  // whole block: no barrier is skipped by part of it
+  const int64_t count = (a.N - 1 - t) / tiles + 1;
+  const int D = a.D, T = blockDim.x, tid = threadIdx.x;
+  const bool al = a.aligned;
+  // per-token rows, read with each row (PT only): a shift row also when scale is per-token, since the
+  // shift cannot then be folded into beta
+  const bool g_row = PT && a.gate.ptr && a.gate.sn != 0;
+  const bool s_row = PT && a.scale.ptr && a.scale.sn != 0;
+  const bool h_row = PT && a.shift.ptr && (a.shift.sn != 0 || s_row);
+
+  extern __shared__ float4 coef_smem[];
+  const int arr = C * (VEC / 4) * T;
+  const CoefRow<VEC> alpha{coef_smem}, beta{coef_smem + arr}, gco{coef_smem + 2 * arr};
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int col = (c * T + tid) * VEC;
+    float w[VEC], bb[VEC], s[VEC], h[VEC], g[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) w[j] = 1.f, bb[j] = 0.f, s[j] = 0.f, h[j] = 0.f, g[j] = 1.f;
+    if (col < D) {
+      if (a.weight) load_f<float, VEC>(a.weight, col, D, al, w);
+      if (a.bias) load_f<float, VEC>(a.bias, col, D, al, bb);
+      if (a.scale.ptr && !s_row) load_any_f<VEC>(mod_row(a.scale, b, 0), a.scale.t, col, D, al, s);
+      if (a.shift.ptr && !h_row) load_any_f<VEC>(mod_row(a.shift, b, 0), a.shift.t, col, D, al, h);
+      if (a.gate.ptr && !g_row) load_any_f<VEC>(mod_row(a.gate, b, 0), a.gate.t, col, D, al, g);
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      w[j] = w[j] * (1.f + s[j]);
+      bb[j] = bb[j] * (1.f + s[j]) + h[j];
+    }
+    alpha.store(c, w);
+    beta.store(c, bb);
+    gco.store(c, g);
+  }
+
+  const float inv_d = 1.f / static_cast<float>(D);
+  using RawIO = typename IO::template RawT<VEC>;
+  RawIO nx[C], ny[C];  // the next row's x and y, raw (kPrefetch)
+  auto load_xy = [&](int64_t n, RawIO(&xs)[C], RawIO(&ys)[C]) {
+    const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
+    IO::template load<VEC, C>(IO::at(a.x, a.xt, off), a.xt, D, T, tid, al, xs);
+    IO::template load<VEC, C>(IO::at(a.y, a.yt, off), a.yt, D, T, tid, al, ys);
+  };
+  if constexpr (kPrefetch) load_xy(t, nx, ny);
+
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t n = t + k * tiles;
+    const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
+    RawIO cx[C], cy[C];
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int c = 0; c < C; ++c) cx[c] = nx[c], cy[c] = ny[c];
+      if (k + 1 < count) load_xy(n + tiles, nx, ny);  // in flight while this row is reduced
+    } else {
+      load_xy(n, cx, cy);
+    }
+
+    // r = x + g * y in fp32, rounded once to Tr; the norm reads r as rounded (zeros past D)
+    float rv[C][VEC];
+    Tr* rrow = static_cast<Tr*>(a.r) + off;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int col = (c * T + tid) * VEC;
+      float xf[VEC], yf[VEC], gf[VEC];
+      IO::template to_f<VEC>(cx[c], a.xt, xf);
+      IO::template to_f<VEC>(cy[c], a.yt, yf);
+      gco.load(c, gf);
+      if (g_row && col < D) load_any_f<VEC>(mod_row(a.gate, b, n), a.gate.t, col, D, al, gf);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) rv[c][j] = to_f<Tr>(from_f<Tr>(__fadd_rn(xf[j], __fmul_rn(gf[j], yf[j]))));
+      if (col < D) store_f<Tr, VEC>(rrow, col, D, al, rv[c]);
+    }
+
+    float mean = 0.f;  // (RMSNorm: none)
+    if constexpr (!RMS) {
+      float sum[1] = {0.f};
+#pragma unroll
+      for (int c = 0; c < C; ++c)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) sum[0] += rv[c][j];  // zero past D
+      block_sum<1>(sum, red, parity);
+      mean = sum[0] * inv_d;
+    }
+    float sq[1] = {0.f};
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int col = (c * T + tid) * VEC;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float dlt = (RMS || col + j < D) ? rv[c][j] - mean : 0.f;  // (RMSNorm: zero past D)
+        sq[0] += dlt * dlt;
+      }
+    }
+    block_sum<1>(sq, red, parity);
+    const float rstd = rsqrtf(sq[0] * inv_d + a.eps);
+
+    void* orow = IO::at(a.out, a.ot, off);
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int col = (c * T + tid) * VEC;
+      if (col >= D) continue;
+      float av[VEC], bv[VEC], sv[VEC], hv[VEC], o[VEC];
+      alpha.load(c, av);
+      beta.load(c, bv);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) sv[j] = 0.f, hv[j] = 0.f;
+      if (s_row) load_any_f<VEC>(mod_row(a.scale, b, n), a.scale.t, col, D, al, sv);
+      if (h_row) load_any_f<VEC>(mod_row(a.shift, b, n), a.shift.t, col, D, al, hv);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        float al_ = av[j], be_ = bv[j];
+        if (s_row) {
+          const float s1 = 1.f + sv[j];
+          al_ *= s1;
+          be_ *= s1;
+        }
+        if (h_row) be_ += hv[j];
+        o[j] = (rv[c][j] - mean) * rstd * al_ + be_;
+      }
+      IO::template store<VEC>(orow, a.ot, col, D, al, o);
+    }
+    if (tid == 0) {
+      if constexpr (!RMS) a.mean[b * a.N + n] = mean;
+      a.rstd[b * a.N + n] = rstd;
+    }
+  }
+}
+
+// Shared memory of the forward's coefficient rows (alpha, beta, gate) for a block of rs.
+inline size_t res_fwd_smem(RowShape rs) { return static_cast<size_t>(3) * rs.chunks * kResVec * rs.threads * sizeof(float); }
+
+template <Norm N, typename Tr>
+void res_forward(const ResFwdArgs& a, cudaStream_t stream) {
+  const bool pt = (a.gate.ptr && a.gate.sn != 0) || (a.scale.ptr && a.scale.sn != 0) ||
+                  (a.shift.ptr && a.shift.sn != 0);
+  const RowShape rs = res_row_shape(a.D, a.max_threads);
+  const size_t smem = res_fwd_smem(rs);
+  auto go = [&](auto kernel) {
+    int64_t tiles, rows_per_tile;  // (the interleaved order needs only the tile count)
+    one_wave(kernel, rs.threads, smem, a.B, a.N, /*interleaved=*/true, tiles, rows_per_tile);
+    kernel<<<static_cast<unsigned>(a.B * tiles), rs.threads, smem, stream>>>(a, tiles);
+  };
+  // x, y and out of r's dtype (the common case): their rows raw in Tr; else each in its own dtype
+  const bool typed = a.xt == dtype_of<Tr>() && a.yt == dtype_of<Tr>() && a.ot == dtype_of<Tr>();
+  with_chunk_count<kResMaxChunks>(rs.chunks, [&](auto chunks) {
+    constexpr int kC = decltype(chunks)::value;
+    if (typed) {
+      if (pt) go(res_fwd_kernel<N, Tr, kC, true, TypedRows<Tr>>);
+      else go(res_fwd_kernel<N, Tr, kC, false, TypedRows<Tr>>);
+    } else {
+      if (pt) go(res_fwd_kernel<N, Tr, kC, true, AnyRows>);
+      else go(res_fwd_kernel<N, Tr, kC, false, AnyRows>);
+    }
+  });
+}
+
+}  // namespace adaln

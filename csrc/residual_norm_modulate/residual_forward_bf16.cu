@@ -1,0 +1,10 @@
+// The forward kernels of the residual norm-site ops (LayerNorm and RMSNorm) for r of type __nv_bfloat16,
+// instantiated from residual_forward.cuh.
+#include "residual_norm_modulate/residual_forward.cuh"
+
+namespace adaln {
+
+template void res_forward<Norm::Layer, __nv_bfloat16>(const ResFwdArgs& a, cudaStream_t stream);
+template void res_forward<Norm::RMS, __nv_bfloat16>(const ResFwdArgs& a, cudaStream_t stream);
+
+}  // namespace adaln

@@ -1,0 +1,206 @@
+// The residual norm-site ops' CUDA bodies in torch terms (declared in norm_modulate_ops.h): their
+// arguments as the public ops receive them, already checked (the dispatcher kernels' fast checks in
+// norm_modulate_dispatch.cu, or the Python CUDA path's validation), turned into [B, N, D] row views,
+// the outputs allocated, the kernels (residual_forward.cuh, residual_backward.cuh) launched on the
+// current stream. Gate, scale and shift are read in place in their own dtypes (a .chunk() view is not
+// copied); r's dtype picks the kernels' row type.
+#include <torch/extension.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
+
+#include "norm_modulate_ops.h"
+#include "residual_norm_modulate/residual.cuh"
+
+namespace adaln {
+
+RowShape res_row_shape(int D, int max_threads) {
+  const RowShape rs = row_shape_vec(D, kResVec, max_threads);
+  if (rs.chunks <= kResMaxChunks) return rs;
+  // a cap too low for kResMaxChunks chunks: more threads instead (D <= kMaxFeatures: at most 512)
+  const int per = ((D + kResVec - 1) / kResVec + kResMaxChunks - 1) / kResMaxChunks;
+  return {(per + 31) / 32 * 32, kResMaxChunks};
+}
+
+namespace {
+
+using at::Tensor;
+using c10::optional;
+
+// f(tag) with tag::type the kernels' row type for r of dtype t.
+template <typename F>
+void with_row_type(at::ScalarType t, const F& f) {
+  switch (t) {
+    case at::kFloat: f(F32Tag{}); break;
+    case at::kBFloat16: f(BF16Tag{}); break;
+    case at::kHalf: f(F16Tag{}); break;
+    default: TORCH_CHECK(false, "residual kernels: r must be float32, bfloat16 or float16, got ", t);
+  }
+}
+
+// Modulation m (gate, scale or shift; absent: a null view) as the kernels read it for x viewed as
+// [B, N, D] (x3): its row view, kept alive in `rows` until the launch (a copy only where its token
+// dims do not collapse to one stride), in its own dtype.
+ModView typed_rows(const optional<Tensor>& m, const Tensor& x, const Tensor& x3, const char* name, Tensor& rows) {
+  if (!m.has_value()) return ModView{};
+  rows = modulation_rows(*m, x, m->scalar_type());
+  ModView v = mod_view(rows, x3, name);
+  v.t = to_dtype(rows, name);
+  return v;
+}
+
+bool rows_aligned(const ModView& v, const Tensor& rows) {
+  return !rows.defined() || mod_aligned(v, rows.element_size());
+}
+
+const float* ptr_or_null(const optional<Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
+
+// The dtype of a per-token modulation's per-element gradient: its own, or float32 where it is
+// summed over a broadcast batch afterwards (rounded once, after the sum).
+at::ScalarType element_grad_dtype(const Tensor& t, const Tensor& x) {
+  return x.size(0) > 1 && bcast_size(t, x, 0) == 1 ? at::kFloat : t.scalar_type();
+}
+
+}  // namespace
+
+std::vector<Tensor> residual_op_forward(Norm norm, const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
+                                        const optional<Tensor>& weight, const optional<Tensor>& bias,
+                                        const optional<Tensor>& scale, const optional<Tensor>& shift, double eps,
+                                        at::ScalarType r_dtype, at::ScalarType out_dtype) {
+  const Tuning t = tuning();
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t B = x.size(0), D = x.size(-1);
+  const Tensor x3 = x.contiguous().view({B, -1, D}), y3 = y.contiguous().view({B, -1, D});
+  check_x(x3, "x");
+  check_x(y3, "y");
+  const int64_t N = x3.size(1);
+  ResFwdArgs a;
+  a.norm = norm;
+  a.B = B, a.N = N, a.D = static_cast<int>(D);
+  a.eps = static_cast<float>(eps);
+  a.max_threads = t.max_threads;
+  a.x = x3.data_ptr(), a.xt = to_dtype(x3, "x");
+  a.y = y3.data_ptr(), a.yt = to_dtype(y3, "y");
+  Tensor gate_rows, scale_rows, shift_rows;
+  a.gate = typed_rows(gate, x, x3, "gate", gate_rows);
+  a.scale = typed_rows(scale, x, x3, "scale", scale_rows);
+  a.shift = typed_rows(shift, x, x3, "shift", shift_rows);
+  const optional<Tensor> w = affine_f32(weight), bi = affine_f32(bias);
+  a.weight = ptr_or_null(w), a.bias = ptr_or_null(bi);
+  const auto f32 = x.options().dtype(at::kFloat);
+  Tensor r = at::empty({B, N, D}, x.options().dtype(r_dtype));
+  Tensor out = at::empty({B, N, D}, x.options().dtype(out_dtype));
+  Tensor mean = norm == Norm::RMS ? Tensor() : at::empty({B, N}, f32);
+  Tensor rstd = at::empty({B, N}, f32);
+  a.r = r.data_ptr(), a.out = out.data_ptr(), a.ot = to_dtype(out, "out");
+  a.mean = mean.defined() ? mean.data_ptr<float>() : nullptr;
+  a.rstd = rstd.data_ptr<float>();
+  a.aligned = D % kResVec == 0 && aligned16(a.x) && aligned16(a.y) && aligned16(a.r) && aligned16(a.out) &&
+              (!a.weight || aligned16(a.weight)) && (!a.bias || aligned16(a.bias)) &&
+              rows_aligned(a.gate, gate_rows) && rows_aligned(a.scale, scale_rows) &&
+              rows_aligned(a.shift, shift_rows);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  with_row_type(r_dtype, [&](auto tag) {
+    using Tr = typename decltype(tag)::type;
+    if (norm == Norm::RMS) res_forward<Norm::RMS, Tr>(a, stream);
+    else res_forward<Norm::Layer, Tr>(a, stream);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const auto rows = stat_shape(x);
+  return {r.view(x.sizes()), out.view(x.sizes()), mean.defined() ? mean.view(rows) : mean, rstd.view(rows)};
+}
+
+std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
+                                         const optional<Tensor>& y, const optional<Tensor>& gate,
+                                         const optional<Tensor>& weight, const optional<Tensor>& bias,
+                                         const optional<Tensor>& scale, const optional<Tensor>& shift,
+                                         const optional<Tensor>& mean, const Tensor& rstd, at::ScalarType x_dtype) {
+  const Tuning t = tuning();
+  c10::cuda::CUDAGuard guard(r.device());
+  const int64_t B = r.size(0), D = r.size(-1);
+  const Tensor r3 = r.contiguous().view({B, -1, D});
+  check_x(r3, "r");
+  const int64_t N = r3.size(1);
+  const Tensor dout3 = dout.contiguous().view({B, N, D});
+  const Tensor dr3 = dr.has_value() ? dr->contiguous().view({B, N, D}) : Tensor();
+  const Tensor y3 = gate.has_value() ? y->contiguous().view({B, N, D}) : Tensor();
+  ResBwdArgs a;
+  a.norm = norm;
+  a.B = B, a.N = N, a.D = static_cast<int>(D);
+  a.max_threads = t.max_threads;
+  a.two_kernel = t.two_kernel;
+  a.r = r3.data_ptr();
+  a.dout = dout3.data_ptr(), a.dot = to_dtype(dout3, "dout");
+  if (dr3.defined()) a.dr = dr3.data_ptr(), a.drt = to_dtype(dr3, "dr");
+  if (y3.defined()) a.y = y3.data_ptr(), a.yt = to_dtype(y3, "y");
+  Tensor gate_rows, scale_rows, shift_rows;
+  a.gate = typed_rows(gate, r, r3, "gate", gate_rows);
+  a.scale = typed_rows(scale, r, r3, "scale", scale_rows);
+  a.shift = typed_rows(shift, r, r3, "shift", shift_rows);
+  const optional<Tensor> w = affine_f32(weight), bi = affine_f32(bias);
+  a.weight = ptr_or_null(w), a.bias = ptr_or_null(bi);
+  const Tensor mean_rows = mean.has_value() ? stat_rows(*mean) : Tensor(), rstd_rows = stat_rows(rstd);
+  a.mean = mean_rows.defined() ? mean_rows.data_ptr<float>() : nullptr;
+  a.rstd = rstd_rows.data_ptr<float>();
+
+  // outputs: per-token modulation's gradients per element, the others' per-sample column sums (fp32)
+  const auto f32 = r.options().dtype(at::kFloat);
+  const Tensor dx = at::empty({B, N, D}, r.options().dtype(x_dtype));
+  const Tensor dy = y3.defined() ? at::empty({B, N, D}, y3.options()) : Tensor();
+  auto mod_out = [&](const optional<Tensor>& m, const ModView& v, void*& el, DType& el_t, float*& rows) {
+    if (!m.has_value()) return Tensor();
+    if (v.sn != 0) {
+      Tensor g = at::empty({B, N, D}, r.options().dtype(element_grad_dtype(*m, r)));
+      el = g.data_ptr(), el_t = to_dtype(g, "gradient");
+      return g;
+    }
+    Tensor g = at::empty({B, D}, f32);
+    rows = g.data_ptr<float>();
+    return g;
+  };
+  const Tensor dgate = mod_out(gate, a.gate, a.dgate_el, a.dgate_t, a.dgate_rows);
+  const Tensor dscale = mod_out(scale, a.scale, a.dscale_el, a.dscale_t, a.dscale_rows);
+  const Tensor dshift = mod_out(shift, a.shift, a.dshift_el, a.dshift_t, a.dshift_rows);
+  const Tensor dweight = weight.has_value() ? at::empty({D}, f32) : Tensor();
+  const Tensor dbias = bias.has_value() ? at::empty({D}, f32) : Tensor();
+  if (dweight.defined()) a.dweight = dweight.data_ptr<float>();
+  if (dbias.defined()) a.dbias = dbias.data_ptr<float>();
+  a.dx = dx.data_ptr(), a.dxt = to_dtype(dx, "dx");
+  if (dy.defined()) a.dy = dy.data_ptr();
+  auto al = [](const void* p) { return p == nullptr || aligned16(p); };
+  a.aligned = D % kResVec == 0 && al(a.r) && al(a.dout) && al(a.dr) && al(a.y) && al(a.dx) && al(a.dy) &&
+              al(a.dgate_el) && al(a.dscale_el) && al(a.dshift_el) && al(a.weight) && al(a.bias) &&
+              rows_aligned(a.gate, gate_rows) && rows_aligned(a.scale, scale_rows) &&
+              rows_aligned(a.shift, shift_rows);
+
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(r.get_device()).stream();
+  Tensor ws, rowsums;
+  with_row_type(r.scalar_type(), [&](auto tag) {
+    using Tr = typename decltype(tag)::type;
+    auto run = [&](bool launch) {
+      if (norm == Norm::RMS) res_backward<Norm::RMS, Tr>(a, launch, stream);
+      else res_backward<Norm::Layer, Tr>(a, launch, stream);
+    };
+    run(false);  // plan: the design, tiles and block shape, which size the workspace
+    if (a.columns()) {
+      ws = at::empty({kResPlanes, a.tiles, B, D}, f32);
+      a.ws = ws.data_ptr<float>();
+      a.aligned = a.aligned && aligned16(a.ws);
+      if (a.two_kernel) {
+        rowsums = at::empty({B * N * 2}, f32);
+        a.rowsums = rowsums.data_ptr<float>();
+      }
+    }
+    run(true);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const Tensor empty = r.new_empty({0});
+  auto grad_of = [&](const optional<Tensor>& m, const Tensor& g) { return m.has_value() ? mod_grad(g, *m, r) : empty; };
+  auto param = [&](const optional<Tensor>& p, const Tensor& g) { return p.has_value() ? g.to(p->scalar_type()) : empty; };
+  return {dx.view(r.sizes()),  dy.defined() ? dy.view(r.sizes()) : empty,
+          grad_of(gate, dgate), param(weight, dweight),
+          param(bias, dbias),   grad_of(scale, dscale),
+          grad_of(shift, dshift)};
+}
+
+}  // namespace adaln
