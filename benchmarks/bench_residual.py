@@ -185,7 +185,8 @@ def markdown(doc: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         lines.append(f"| {r['variant']} | {r['B']} | {r['N']} | {r['D']} | {r['fwd_ms']:.3f} | {r['fwd_sol']:.1%} | "
-                     f"{r['bwd_ms']:.3f} | {r['bwd_sol']:.1%} | {r['fwd_bytes'] / 1e6:.0f} / {r['bwd_bytes'] / 1e6:.0f} | "
+                     f"{r['bwd_ms']:.3f} | {r['bwd_sol']:.1%} | "
+                     f"{r['fwd_bytes'] / 1e6:.0f} / {r['bwd_bytes'] / 1e6:.0f} | "
                      f"{r['backward_bit_identical_3_runs']} |")
     lines += ["", f"Accuracy vs float64 (rel. error), N = {doc['acc_N']}: fused op / Inductor", ""]
     for a in doc["accuracy"]:

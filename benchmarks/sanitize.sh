@@ -3,8 +3,10 @@
 # aligned 16-byte path and scalar path (D not a multiple of 8, D = 1), per-sample / per-token /
 # shared / strided modulation, affine or not, fp32 / bf16 / fp16, both backward designs, a
 # partial last row tile; each case through adaln_modulate (LayerNorm) and rms_norm_modulate
-# (RMSNorm; scale-only in every third case), or only the ops named in SANITIZE_OPS ("adaln rms",
-# the default). PyTorch's caching allocator is off so that every tensor is its own allocation and an
+# (RMSNorm; scale-only in every third case) and the residual ops (residual_adaln_modulate gated in
+# every other case, residual_rms_norm_modulate on x + y, scale-only in every third case, else a plain
+# norm; dr given),
+# or only the ops named in SANITIZE_OPS ("adaln rms residual", the default). PyTorch's caching allocator is off so that every tensor is its own allocation and an
 # out-of-bounds access cannot land inside a neighbour.
 # Usage: [SANITIZE_OPS=rms] benchmarks/sanitize.sh [LOGDIR]   (exit status non-zero when a tool reports an error)
 set -uo pipefail
@@ -23,7 +25,10 @@ from adaptiveload.ops import _tuning
 
 op, bwd = torch.ops.adaptiveload.adaln_modulate, torch.ops.adaptiveload.adaln_modulate_backward
 rms, rms_bwd = torch.ops.adaptiveload.rms_norm_modulate, torch.ops.adaptiveload.rms_norm_modulate_backward
-ops = os.environ.get("SANITIZE_OPS", "adaln rms").split()
+res, res_bwd = torch.ops.adaptiveload.residual_adaln_modulate, torch.ops.adaptiveload.residual_adaln_modulate_backward
+res_rms = torch.ops.adaptiveload.residual_rms_norm_modulate
+res_rms_bwd = torch.ops.adaptiveload.residual_rms_norm_modulate_backward
+ops = os.environ.get("SANITIZE_OPS", "adaln rms residual").split()
 g = torch.Generator(device="cuda").manual_seed(0)
 cases = [  # (B, N, D, x dtype, modulation dtype, layout, affine)
     (2, 37, 1536, torch.bfloat16, torch.float32, "strided", False),
@@ -70,6 +75,15 @@ for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
             h = None if i % 3 == 2 else shift
             y, rstd = rms(x, w, scale, h, 1e-6, xdt)
             grads = rms_bwd(torch.randn_like(y), x, w, scale, h, rstd)
+        if "residual" in ops:  # the branch output y beside x; its gate: shift's tensor in every other case
+            yb = torch.randn_like(x)
+            gate = shift if i % 2 == 0 else None
+            r, out, mean, rstd = res(x, yb, gate, w, b, scale, shift, 1e-6, xdt, xdt)
+            grads = res_bwd(torch.randn_like(out), torch.randn_like(r), r, yb if gate is not None else None, gate, w, b,
+                            scale, shift, mean, rstd, xdt)
+            s = (scale, None, None)[i % 3]
+            r, out, rstd = res_rms(x, yb, None, w, s, None, 1e-6, xdt, xdt)
+            grads = res_rms_bwd(torch.randn_like(out), torch.randn_like(r), r, None, None, w, s, None, rstd, xdt)
         torch.cuda.synchronize()
     print("ok", ops, B, N, D, xdt, mdt, layout, affine, settings, flush=True)
 PY

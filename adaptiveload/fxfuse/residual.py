@@ -249,7 +249,7 @@ class ResidualNormPattern(NormModulatePattern):
             return verdict
         device = device_of(values.x)
         if device.type not in self.devices:
-            verdict.reason = f"no {device.type.upper()} kernel for {self.name} yet"
+            verdict.reason = f"no validated {device.type.upper()} kernel for {self.name} yet (FUSED_DEVICES)"
             return verdict
         inputs, gate_layout, verdict.reason = self.prologue_values(site)
         if verdict.reason is not None:

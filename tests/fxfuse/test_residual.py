@@ -336,15 +336,28 @@ def _without_residual_patterns(monkeypatch):
                                                 if not name.startswith("residual_")})
 
 
+def _with_devices(monkeypatch, devices: frozenset):
+    """Both residual patterns as they are with FUSED_DEVICES = ``devices`` (restored afterwards)."""
+    from adaptiveload.ops.residual_norm_modulate import pattern
+
+    for p in (pattern.LAYER_NORM_PATTERN, pattern.RMS_NORM_PATTERN):
+        switched = dataclasses.replace(p, devices=devices)
+        (entry,) = [e for e in registry.patterns() if e.name == p.name]
+        monkeypatch.setitem(registry._patterns, entry.name, dataclasses.replace(
+            entry, match=switched.match, check=switched.check, replace=switched.replace))
+
+
 def test_cuda_sites_go_to_the_plain_pattern_with_the_reason(monkeypatch):
-    """On CUDA tensors (fake: no GPU needed) the residual pattern defers -- the reason recorded --
-    and the graph is rewritten exactly as without the residual patterns: adaln_modulate on the
-    residual sum."""
+    """With "cuda" not in FUSED_DEVICES (as until the kernels are validated), on CUDA tensors (fake: no
+    GPU needed) the residual pattern defers -- the reason recorded -- and the graph is rewritten
+    exactly as without the residual patterns: adaln_modulate on the residual sum."""
+    _with_devices(monkeypatch, frozenset({"cpu"}))
     gm, report = _fuse_on("cuda")
     assert [(c.pattern, c.reason) for c in report.deferred] == [
-        ("residual_adaln_modulate", "no CUDA kernel for residual_adaln_modulate yet")]
+        ("residual_adaln_modulate", "no validated CUDA kernel for residual_adaln_modulate yet (FUSED_DEVICES)")]
     assert [(c.pattern, c.fused) for c in report.chains] == [("adaln_modulate", True)]
-    assert "1 deferred to the next pattern" in report.summary() and "deferred: no CUDA kernel" in report.table()
+    assert "1 deferred to the next pattern" in report.summary()
+    assert "deferred: no validated CUDA kernel" in report.table()
     with monkeypatch.context() as patch:
         _without_residual_patterns(patch)
         plain_gm, plain_report = _fuse_on("cuda")
@@ -354,26 +367,10 @@ def test_cuda_sites_go_to_the_plain_pattern_with_the_reason(monkeypatch):
 def test_a_device_in_the_switch_is_fused(monkeypatch):
     """The one switch: with "cuda" among the pattern's devices (what the kernel author sets in
     FUSED_DEVICES), the same CUDA site is folded."""
-    from adaptiveload.ops.residual_norm_modulate.pattern import LAYER_NORM_PATTERN
-
-    with_cuda = dataclasses.replace(LAYER_NORM_PATTERN, devices=frozenset({"cpu", "cuda"}))
-    (entry,) = [e for e in registry.patterns() if e.name == "residual_adaln_modulate"]
-    monkeypatch.setitem(registry._patterns, entry.name, dataclasses.replace(
-        entry, match=with_cuda.match, check=with_cuda.check, replace=with_cuda.replace))
+    _with_devices(monkeypatch, frozenset({"cpu", "cuda"}))
     gm, report = _fuse_on("cuda")
     assert [(c.pattern, c.fused) for c in report.chains] == [("residual_adaln_modulate", True)] and not report.deferred
     assert _fused_ops(gm) == [RES_ADALN]
-
-
-def _cuda_in_fused_devices(monkeypatch):
-    """Both residual patterns as they are once "cuda" is added to FUSED_DEVICES (restored afterwards)."""
-    from adaptiveload.ops.residual_norm_modulate import pattern
-
-    for p in (pattern.LAYER_NORM_PATTERN, pattern.RMS_NORM_PATTERN):
-        flipped = dataclasses.replace(p, devices=p.devices | {"cuda"})
-        (entry,) = [e for e in registry.patterns() if e.name == p.name]
-        monkeypatch.setitem(registry._patterns, entry.name, dataclasses.replace(
-            entry, match=flipped.match, check=flipped.check, replace=flipped.replace))
 
 
 class WanLike(nn.Module):
@@ -413,7 +410,7 @@ def test_with_cuda_in_fused_devices_a_wan_block_fuses_on_cuda_and_matches_eager(
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     monkeypatch.setenv("ADAPTIVELOAD_REQUIRE_KERNEL", "1")
-    _cuda_in_fused_devices(monkeypatch)
+    _with_devices(monkeypatch, frozenset({"cpu", "cuda"}))
     L, dim = 2, 64
     gen = torch.Generator().manual_seed(0)
     model = WanLike(L, dim).to("cuda", dtype)
@@ -446,7 +443,8 @@ def test_with_cuda_in_fused_devices_a_wan_block_fuses_on_cuda_and_matches_eager(
         if dtype == torch.float32:
             assert rel_err(g, e) < 1e-4, f"{name}: {rel_err(g, e):.2e}"
         else:
-            assert rel_err(g, r) <= 1.5 * rel_err(e, r) + 2e-3, f"{name}: {rel_err(g, r):.2e} vs eager {rel_err(e, r):.2e}"
+            assert rel_err(g, r) <= 1.5 * rel_err(e, r) + 2e-3, \
+                f"{name}: {rel_err(g, r):.2e} vs eager {rel_err(e, r):.2e}"
 
 
 # --- what a compiled forward runs ------------------------------------------------------------------
