@@ -505,15 +505,15 @@ def test_kernels_hand_bad_inputs_and_float64_to_the_python_path(kernels):
 
 @pytest.mark.cuda
 def test_kernels_autograd_on_cuda(kernels):
-    """The C++ AutogradCUDA kernel: a plain residual's dr_total reaches x and y (y in its own dtype);
-    gradients only for the inputs that need them; no double backward."""
+    """The C++ AutogradCUDA kernel: a plain residual's dr_total reaches x and y (y in its own dtype)
+    and equals float64 eager's; no double backward."""
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(2, 16, 64, generator=gen).to("cuda").requires_grad_()
     y = torch.randn(2, 16, 64, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
     scale = torch.randn(2, 1, 64, generator=gen).to("cuda")
     r, out, *_ = OPS["rms_norm"](x, y, None, None, scale, None, EPS, torch.float32, torch.float32)
     dx, dy = torch.autograd.grad((r * 3 + out.square()).sum(), (x, y))
-    assert dy.dtype == torch.bfloat16 and scale.grad is None
+    assert dy.dtype == torch.bfloat16
     torch.testing.assert_close(dy, dx.to(torch.bfloat16), rtol=0, atol=0)
     x_ref = x.detach().double().requires_grad_()
     r_ref, out_ref = eager_site("rms_norm", x_ref, y.detach().double(), None, None, None, scale.double(), None)

@@ -3,8 +3,9 @@
 (``torch.ops.adaptiveload.residual_adaln_modulate``) and RMSNorm (``.residual_rms_norm_modulate``),
 each with its backward op.
 
-* ``op.py`` -- schemas (the contract a CUDA kernel implements) and registrations (reference, fake,
-  autograd), input checks, and :data:`~adaptiveload.ops.residual_norm_modulate.op.FUSED_DEVICES`;
+* ``op.py`` -- schemas (the contract the CUDA kernels in ``csrc/residual_norm_modulate/`` implement)
+  and registrations (reference, fake, autograd, the Python CUDA path), input checks, and
+  :data:`~adaptiveload.ops.residual_norm_modulate.op.FUSED_DEVICES`;
 * ``reference.py`` -- the plain-PyTorch math (CPU implementation, and the tests' reference);
 * ``pattern.py`` -- the FX patterns ``residual_adaln_modulate`` and ``residual_rms_norm_modulate`` of
   the ``adaptiveload`` compile backend (registered when :mod:`adaptiveload.fxfuse` first lists its
