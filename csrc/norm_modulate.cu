@@ -52,8 +52,8 @@ void launch_forward(const FwdArgs& a, cudaStream_t stream) {
   else launch_forward_norm<Norm::Layer>(a, stream);
 }
 
-// The helpers below (and the residual ops' bodies in csrc/residual_norm_modulate/residual_ops.cu) use
-// these; the ones declared in norm_modulate_ops.h are shared with that file.
+// Torch-side helpers of the CUDA bodies; those declared in norm_modulate_ops.h are shared with the
+// residual ops' bodies (residual_norm_modulate/residual_ops.cu).
 using at::Tensor;
 using c10::optional;
 
