@@ -7,8 +7,10 @@ Needs a CUDA GPU. For each backend (one after the other, on the same GPU, same s
 build the training step of ``adaptiveload train`` (regional compilation, bf16 autocast, AdamW); run
 each ``--check`` batch (B x T x H x W) once with frozen weights and record its loss, or that the
 step was refused for a non-finite loss or gradient (``TrainStep.check_finite``: the weights stay
-finite); then, after two warm-up steps, time ``--repeats`` steps of the profiled batch and profile
-one more with ``torch.profiler``, summing kernel time by category: attention (cuDNN/flash SDPA),
+finite); then, after two warm-up steps, time ``--repeats`` steps of the profiled batch (wall time,
+and the host's share: the time until forward+backward has been queued, which has no host sync, plus
+the optimizer step's, queued after the finite check has waited for the device; while the host runs
+ahead of the GPU these sum to the host time a step costs) and profile one more with ``torch.profiler``, summing kernel time by category: attention (cuDNN/flash SDPA),
 GEMM (cuBLAS nvjet/cutlass), the fused op's kernels (adaln::), optimizer (AdamW's multi-tensor
 kernels), Triton (every Inductor-generated kernel, the LayerNorm/modulate fusions among them),
 other. Prints one table (a row per backend) and writes ``<out>/profile_train_step_<tag>.json`` and
@@ -73,12 +75,18 @@ def profile_backend(args, backend: str, device: torch.device) -> dict:
     for _ in range(2):
         step(batch, args.batch_size)
     step.synchronize()
-    times = []
-    for _ in range(args.repeats):
+    times, host = [], []
+    for _ in range(args.repeats):  # step(batch, n), taken apart to time the host's share
         start = time.perf_counter()
-        step(batch, args.batch_size)
+        loss_sum = step.forward_backward(batch, args.batch_size)
+        issued = time.perf_counter()  # forward + backward queued (no host sync inside)
+        step.check_finite(loss_sum)  # waits for the device
+        checked = time.perf_counter()
+        step.optimizer_step()
+        stepped = time.perf_counter()
         step.synchronize()
         times.append(time.perf_counter() - start)
+        host.append((issued - start) + (stepped - checked))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         step(batch, args.batch_size)
@@ -93,7 +101,8 @@ def profile_backend(args, backend: str, device: torch.device) -> dict:
     for name, ms in per_kernel.items():
         per_category[category(name)] += ms
     return {"backend": backend, "checks": checks, "step_ms_median": 1e3 * sorted(times)[len(times) // 2],
-            "step_ms_all": [1e3 * t for t in times], "profiled_step_ms": 1e3 * profiled_wall,
+            "step_ms_all": [1e3 * t for t in times], "host_ms_median": 1e3 * sorted(host)[len(host) // 2],
+            "host_ms_all": [1e3 * t for t in host], "profiled_step_ms": 1e3 * profiled_wall,
             "kernel_ms": sum(per_kernel.values()),
             "kernel_ms_by_category": dict(per_category.most_common()),
             "top_kernels": [{"name": n, "ms": ms, "calls": calls[n]} for n, ms in per_kernel.most_common(args.top)]}
@@ -101,10 +110,11 @@ def profile_backend(args, backend: str, device: torch.device) -> dict:
 
 def table(results: list[dict]) -> str:
     cats = sorted({c for r in results for c in r["kernel_ms_by_category"]})
-    head = ["backend", "step ms (median)", "profiled step ms", "its kernel ms", *cats]
+    head = ["backend", "step ms (median)", "host ms (median)", "profiled step ms", "its kernel ms", *cats]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        cells = [r["backend"], f"{r['step_ms_median']:.1f}", f"{r['profiled_step_ms']:.1f}", f"{r['kernel_ms']:.1f}",
+        cells = [r["backend"], f"{r['step_ms_median']:.1f}", f"{r['host_ms_median']:.1f}", f"{r['profiled_step_ms']:.1f}",
+                 f"{r['kernel_ms']:.1f}",
                  *(f"{r['kernel_ms_by_category'].get(c, 0.0):.2f}" for c in cats)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -16,6 +16,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <string>
 #include <tuple>
 
 #include "norm_modulate_ops.h"
@@ -137,15 +138,20 @@ Tuning tuning() {
 // A return value rather than an exception: the Python layer (_tuning.override) raises the ValueError.
 std::string set_tuning(int64_t max_threads, int64_t fwd_stages, int64_t bwd_stages, int64_t store, int64_t tail_pct,
                        int64_t tail_rows, bool two_kernel) {
+  // The message is put together with std::to_string, not c10::str: a c10::str (and so a failing
+  // TORCH_CHECK) in this binding crashed the process on the H200 machine (torch 2.11, segmentation fault).
+  static_assert(kMaxThreads == 512 && kMaxStages == 8, "set_tuning's messages name these limits");
+  auto bad = [](const char* what, int64_t got) {
+    return std::string("set_tuning: ") + what + ", got " + std::to_string(got);
+  };
   if (max_threads != 0 && (max_threads < 32 || max_threads > kMaxThreads))
-    return c10::str("set_tuning: max_threads must be 0 (automatic) or 32..", kMaxThreads, ", got ", max_threads);
+    return bad("max_threads must be 0 (automatic) or 32..512", max_threads);
   for (int64_t stages : {fwd_stages, bwd_stages})
     if (stages != -1 && stages != 0 && (stages < 2 || stages > kMaxStages))
-      return c10::str("set_tuning: stages must be -1 (automatic), 0 or 2..", kMaxStages, ", got ", stages);
-  if (store < -1 || store > 1) return c10::str("set_tuning: store must be -1, 0 or 1, got ", store);
-  if (tail_pct < -1 || tail_pct > 50)
-    return c10::str("set_tuning: tail_pct must be -1 (automatic) or 0..50, got ", tail_pct);
-  if (tail_rows < 1 || tail_rows > 65536) return c10::str("set_tuning: tail_rows must be 1..65536, got ", tail_rows);
+      return bad("stages must be -1 (automatic), 0 or 2..8", stages);
+  if (store < -1 || store > 1) return bad("store must be -1, 0 or 1", store);
+  if (tail_pct < -1 || tail_pct > 50) return bad("tail_pct must be -1 (automatic) or 0..50", tail_pct);
+  if (tail_rows < 1 || tail_rows > 65536) return bad("tail_rows must be 1..65536", tail_rows);
   Tuning t;
   t.max_threads = static_cast<int>(max_threads);
   t.fwd_stages = static_cast<int>(fwd_stages);

@@ -194,10 +194,11 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
     run(true);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const Tensor empty = r.new_empty({0});
-  auto grad_of = [&](const optional<Tensor>& m, const Tensor& g) { return m.has_value() ? mod_grad(g, *m, r) : empty; };
-  auto param = [&](const optional<Tensor>& p, const Tensor& g) { return p.has_value() ? g.to(p->scalar_type()) : empty; };
-  return {dx.view(r.sizes()),  dy.defined() ? dy.view(r.sizes()) : empty,
+  // an absent gradient: a fresh [0] tensor each (outputs of an op must not alias one another)
+  auto empty = [&] { return r.new_empty({0}); };
+  auto grad_of = [&](const optional<Tensor>& m, const Tensor& g) { return m.has_value() ? mod_grad(g, *m, r) : empty(); };
+  auto param = [&](const optional<Tensor>& p, const Tensor& g) { return p.has_value() ? g.to(p->scalar_type()) : empty(); };
+  return {dx.view(r.sizes()),  dy.defined() ? dy.view(r.sizes()) : empty(),
           grad_of(gate, dgate), param(weight, dweight),
           param(bias, dbias),   grad_of(scale, dscale),
           grad_of(shift, dshift)};
