@@ -27,11 +27,14 @@ implementation worth fusing into); then the prologue's (:meth:`~ResidualNormPatt
 operands floating and on one device; a sum rounded only once on its way to r (one narrowing cast,
 from the compute dtype) and not widened before r; the product, the add and the casts to r feeding
 only the next of them (the op does not output their values); scale and shift not computed from
-the sum; every operand computed before the first node that keeps reading r; then the op's fake
-kernel. A normalised tensor feeding several modulations is rejected at the match (the plain
+the sum; every operand computed before the first node that keeps reading r, or computable there:
+the nodes it needs after that point (Wan's ``scale.unsqueeze(1)``, which Python evaluates after the
+``x.float()`` of the next residual add) are moved before it when none reads the sum and none has a
+side effect; then the op's fake kernel. A normalised tensor feeding several modulations is rejected at the match (the plain
 pattern fuses each).
 
-Replace: the op goes before the first node that keeps reading r (or the site's final node); r's
+Replace: the op goes before the first node that keeps reading r (or the site's final node), the
+operand nodes computed after that point moved in front of it in their order; r's
 users read the op's r, the final node's users its out; the add, the product, the casts and the norm
 chain die. Rounding: r is summed in float32 and rounded once to r's dtype; a product that eager
 rounds first (Flux's bf16 ``gate * y``) is not rounded, as Inductor's fused kernel does not round it.
@@ -320,9 +323,8 @@ class ResidualNormPattern(NormModulatePattern):
             if computed_from(operand, add):
                 return f"{name} `{operand.name}` is computed from the residual sum `{add.name}`"
         point = self._insertion_point(site, verdict)
-        late = [n for n in self._operand_nodes(site, verdict) if not n < point]
-        if late:
-            return f"`{late[0].name}` is computed after `{point.name}`, which reads the residual sum"
+        _, reason = _nodes_to_move(self._operand_nodes(site, verdict), point, add)
+        return reason
         return None
 
     @staticmethod
@@ -353,6 +355,12 @@ class ResidualNormPattern(NormModulatePattern):
         """
         graph, prologue, chain = gm.graph, site.prologue, site.chain
         point = self._insertion_point(site, verdict)
+        operands = [graph_value(n, replaced) for n in self._operand_nodes(site, verdict)]
+        move, reason = _nodes_to_move([n for n in operands if isinstance(n, Node) and not n._erased], point, prologue.add)
+        if reason is not None:
+            raise RuntimeError(f"{self.name}: {reason}")
+        for node in move:  # in graph order, each in front of the point
+            point.prepend(node)
         with graph.inserting_before(point):
             _, weight, bias, scale, shift = norm_operands(graph, chain, verdict, replaced)
             x, y, gate = (graph_value(w if v._erased and v not in replaced else v, replaced) if v is not None else None
@@ -368,3 +376,33 @@ class ResidualNormPattern(NormModulatePattern):
                 *site_nodes.internal, *verdict.absorbed, *prologue.nodes, *prologue.absorbed]
         erase_unused(graph, dead)
         return out
+
+
+def _nodes_to_move(operands: list[Node], point: Node, add: Node) -> tuple[list[Node], Optional[str]]:
+    """The nodes at or after ``point`` that computing ``operands`` needs, in graph order, to be moved in
+    front of ``point`` (the first node that keeps reading the residual sum ``add``); or, when one of
+    them may not move (it reads the sum, or is not :func:`_movable`), ``([], reason)``."""
+    move, stack = set(), [n for n in operands if not n < point]
+    while stack:
+        node = stack.pop()
+        if node in move or node < point:
+            continue
+        if computed_from(node, add):
+            return [], f"`{node.name}` is computed from the residual sum after `{point.name}` reads it"
+        if not _movable(node):
+            return [], f"`{node.name}` is computed after `{point.name}`, which reads the residual sum, and cannot move"
+        move.add(node)
+        stack.extend(node.all_input_nodes)
+    return sorted(move), None
+
+
+def _movable(node: Node) -> bool:
+    """A node that may run earlier: an attribute read, or a function or method call without side
+    effects (FX's ``is_impure``: mutating schemas, random ops) that is not an in-place ``*_`` call;
+    not a placeholder, module call or output."""
+    if node.op == "get_attr":
+        return True
+    if node.op not in ("call_function", "call_method") or node.is_impure():
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return not name.split(".")[0].endswith("_")
