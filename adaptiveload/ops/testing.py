@@ -4,6 +4,7 @@ every op family, and usable for testing a new op the same way."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -67,13 +68,15 @@ def check_backward_strides(backward_op, args: tuple, names: tuple) -> None:
         assert g.is_contiguous(), f"{name}: strides {g.stride()} for shape {list(g.shape)}"
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64. The denominator has a floor of 0.1 per element (the
+def rel_err(out: torch.Tensor, ref: torch.Tensor, size: Optional[torch.Tensor] = None) -> float:
+    """||out - ref|| / ||ref|| in float64, or over ||size|| where that is larger (``size``: the sizes
+    of the terms a summed ``ref`` adds up). The denominator has a floor of 0.1 per element (the
     inputs are O(1)): a gradient that is zero in exact arithmetic (D = 1: x_hat = 0) is compared
     absolutely, not against the rounding noise of the reference (float64 eager at D = 1 leaves
     ~2e-12 in dweight after rstd = eps^-1/2 = 1000 amplifies it; the op's exact 0 must pass)."""
     diff = (out.double() - ref.double()).norm().item()
-    den = max(ref.double().norm().item(), 1e-1 * math.sqrt(max(ref.numel(), 1)))
+    den = max(ref.double().norm().item(), 0.0 if size is None else size.double().norm().item(),
+              1e-1 * math.sqrt(max(ref.numel(), 1)))
     return diff / den
 
 
@@ -90,7 +93,7 @@ def assert_rel(out, ref, tol, what):
         )
 
 
-def check_op_against_float64(named: dict, op_fn, ref_fn, dy, tol: float, names: tuple = ("y",)):
+def check_op_against_float64(named: dict, op_fn, ref_fn, dy, tol: float, names: tuple = ("y",), term_sizes=None):
     """Run an op and its float64 reference on the same inputs, forward and backward, and compare.
 
     Args:
@@ -104,6 +107,12 @@ def check_op_against_float64(named: dict, op_fn, ref_fn, dy, tol: float, names: 
         tol: relative error bound of the outputs; the gradients get twice it (a sum over many rows
             rounded once, and dx one more cancellation).
         names: what the messages call the differentiable outputs.
+        term_sizes: for gradients that are sums over rows whose terms can cancel (a shared gate's),
+            ``term_sizes(ref_views, ref_grads) -> {input name: Σ|term|}`` (in the input's shape, a
+            view's placed in its leaf) from the float64 inputs and gradients by name; the error of each
+            named gradient is then taken relative to the larger of ``||ref||`` and ``||Σ|term|||``
+            (rounding errors scale with the terms, so a sum that cancels to near zero would blow up
+            an error relative to the sum alone).
 
     Returns:
         ``(outputs, ref_views)``: the op's outputs and the float64 inputs by name, for checks of the
@@ -128,9 +137,19 @@ def check_op_against_float64(named: dict, op_fn, ref_fn, dy, tol: float, names: 
     ref_grads = torch.autograd.grad(refs, ref_leaves, [d.double() for d in dys])
     for name, out, ref in zip(names, outputs, refs):
         assert_rel(out, ref, tol, name)
+    sizes = term_sizes(ref_views, dict(zip(inputs, ref_grads))) if term_sizes is not None else {}
+    for name, size in sizes.items():  # a view's term sizes, placed in its leaf (0 where the view does not reach)
+        view = ref_views[name]
+        if view._base is not None:
+            sizes[name] = torch.zeros_like(view._base)
+            sizes[name].as_strided(view.shape, view.stride(), view.storage_offset()).copy_(size)
     for name, g, r, leaf in zip(inputs, grads, ref_grads, leaves):
         assert g.shape == leaf.shape and g.dtype == leaf.dtype, f"d{name}: {g.shape}/{g.dtype} vs {leaf.shape}"
-        assert_rel(g, r, 2 * tol, f"d{name}")
+        if name in sizes:
+            err = rel_err(g, r, sizes[name])
+            assert err <= 2 * tol, f"d{name}: error {err:.3e} relative to the sum of |terms| > {2 * tol:.1e}"
+        else:
+            assert_rel(g, r, 2 * tol, f"d{name}")
     return outputs, ref_views
 
 

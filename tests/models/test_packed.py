@@ -116,7 +116,7 @@ def _masked_reference(q, k, v, cu_q, cu_kv):
     """Attention over the whole pack with a block-diagonal mask, in float64."""
     seg_q = torch.repeat_interleave(torch.arange(len(cu_q) - 1), torch.diff(cu_q.long()))
     seg_kv = torch.repeat_interleave(torch.arange(len(cu_kv) - 1), torch.diff(cu_kv.long()))
-    mask = seg_q[:, None] == seg_kv[None, :]
+    mask = (seg_q[:, None] == seg_kv[None, :]).to(q.device)  # the offsets stay on the host (as packed_attention's)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.double().transpose(0, 1), k.double().transpose(0, 1), v.double().transpose(0, 1), attn_mask=mask)
     return out.transpose(0, 1)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from adaptiveload.ops import _tuning, extension
 from adaptiveload.ops.residual_norm_modulate import op as residual_op
 from adaptiveload.ops.testing import (GRAD_LAYOUTS, LAYOUTS, OPCHECK_UTILS, TOL, assert_rel, check_backward_strides,
-                                       check_op_against_float64, lay_out_grad, make_mod, property_strategies)
+                                       check_op_against_float64, lay_out_grad, make_mod, property_strategies, rel_err)
 
 EPS = 1e-6
 OPS = {"layer_norm": torch.ops.adaptiveload.residual_adaln_modulate,
@@ -103,7 +103,13 @@ def check_against_float64(norm, x_shape, dtype, gate_layout, modulation, scale_l
 
     tol = max(TOL[t] for t in (dtype, mod_dtype or dtype, y_dtype or dtype, out_dtype))
     dys, names = ((dr, dout), ("r", "out")) if with_dr else (dout, ("out",))
-    outputs, ref = check_op_against_float64(named, op_fn, ref_fn, dys, tol, names)
+    def term_sizes(views, grads):  # dgate = Σ y · dr_total over gate's broadcast dims, and dr_total = dx
+        gate = views.get("gate")
+        if gate is None or gate.shape == views["x"].shape:
+            return {}
+        return {"gate": (views["y"].abs() * grads["x"].abs()).sum_to_size(gate.shape)}
+
+    outputs, ref = check_op_against_float64(named, op_fn, ref_fn, dys, tol, names, term_sizes)
     stat_dtype = torch.float64 if torch.float64 in (dtype, mod_dtype, y_dtype) else torch.float32
     r_ref = eager_site(norm, *(ref.get(k) for k in keys))[0].to(dtype).double()  # what the op's norm reads
     stats = outputs[2:]
@@ -150,6 +156,16 @@ def test_x_and_y_of_different_dtypes_and_wide_rows(norm):
     check_against_float64(norm, (1, 3, 12288), torch.bfloat16, "strided-per-sample", "scale+shift", "per-sample",
                           "per-sample", True, seed=2, mod_dtype=torch.float32)
     check_against_float64(norm, (1, 2, 9000), torch.float64, None, "none", None, None, False, seed=3)
+
+
+def test_summed_gradient_error_is_relative_to_its_terms():
+    """rel_err by hand: terms 10 and -9.9 sum to 0.1; an error of 0.01 is 10% of the sum but 0.07% of
+    the terms' sizes (||[19.9]|| = 19.9), which is what rounding each term scales with; the floor of
+    0.1 per element still holds for a sum whose terms are all ~0."""
+    got, want = torch.tensor([0.11], dtype=torch.float64), torch.tensor([0.1], dtype=torch.float64)
+    assert rel_err(got, want) == pytest.approx(0.1)  # 0.01 over the floor 0.1
+    assert rel_err(got, want, torch.tensor([19.9], dtype=torch.float64)) == pytest.approx(0.01 / 19.9)
+    assert rel_err(got, want, torch.tensor([1e-12], dtype=torch.float64)) == pytest.approx(0.1)
 
 
 def test_hand_computed_values():
