@@ -27,8 +27,11 @@
 #              test_residual_norm_modulate.py and tests/fxfuse/test_residual.py -m cuda, RESIDUAL_TESTS_TIMEOUT)
 #              -> $OUT/residual_tests.log, then benchmarks/bench_residual.py (op times against SoL, determinism,
 #              accuracy against Inductor; RESIDUAL_ARGS) -> $OUT/residual_${RESIDUAL_TAG:-h200}.json / .md
-#   ltx        benchmarks/bench_ltx_step.py (diffusers LTX-Video training step, backend vs Inductor; needs
-#              diffusers as a wheel in .whl; LTX_ARGS) -> $OUT/ltx_step_${LTX_TAG:-h200}.json / .md
+#   ltx        benchmarks/bench_dit_step.py --model ltx (diffusers LTX-Video training step, backend vs Inductor;
+#              needs diffusers as a wheel in .whl; LTX_ARGS) -> $OUT/ltx_step_${LTX_TAG:-h200}.json / .md
+#   wan        benchmarks/bench_dit_step.py --model wan --profile (diffusers Wan 2.1 1.3B shape, 10 layers, training
+#              step: eager, Inductor and the backend, with each one's norm-site GPU time; needs diffusers as a wheel
+#              in .whl; WAN_ARGS, WAN_TIMEOUT) -> $OUT/wan_step_${WAN_TAG:-h200}.json / .md, wan_profile_*.txt
 #   ab         kernel_stages.py ${AB_STAGE:-ab} (ab: kernel timings; host: host time a call) for AB_BASE
 #              (a folder with another version's adaptiveload/ and csrc/, built into its own cache beside
 #              this one's) and for this checkout, in turn three times -> $OUT/ab.log (both stages force
@@ -127,9 +130,14 @@ if want residual; then
   echo "residual: exit $?"; cat "$OUT/residual.log"
 fi
 if want ltx; then
-  timeout ${LTX_TIMEOUT:-400} python3 benchmarks/bench_ltx_step.py --out "$OUT" --tag "${LTX_TAG:-h200}" ${LTX_ARGS:-} \
-    >"$OUT/ltx.log" 2>&1
+  timeout ${LTX_TIMEOUT:-400} python3 benchmarks/bench_dit_step.py --model ltx --out "$OUT" --tag "${LTX_TAG:-h200}" \
+    ${LTX_ARGS:-} >"$OUT/ltx.log" 2>&1
   echo "ltx: exit $?"; tail -8 "$OUT/ltx.log"
+fi
+if want wan; then
+  timeout ${WAN_TIMEOUT:-540} python3 benchmarks/bench_dit_step.py --model wan --profile --out "$OUT" \
+    --tag "${WAN_TAG:-h200}" ${WAN_ARGS:-} >"$OUT/wan.log" 2>&1
+  echo "wan: exit $?"; tail -28 "$OUT/wan.log"
 fi
 if want host; then
   timeout 240 python3 benchmarks/kernel_stages.py host >"$OUT/host.log" 2>&1
