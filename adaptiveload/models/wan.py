@@ -125,11 +125,14 @@ class WanBlock(nn.Module):
     Args of ``forward``:
         x: [B, S, dim] token stream (model dtype).
         context: [B, L, dim] projected text tokens.
-        temb6: [B, 6, dim] time modulation (shift, scale, gate for attention, then for the FFN), or
-            [B, S, 6, dim]: one per token (a pack's samples have their own timesteps).
+        temb6: [B, 6, dim] time modulation (shift, scale, gate for attention, then for the FFN); for
+            a pack, [n, 6, dim], one per sample, with ``segment_ids``.
         cos, sin: [S, head_dim // 2] RoPE tables.
         cu_seqlens, cu_context: for a pack (B = 1, ``context`` [1, n * L, dim]), int32 [n + 1]
             boundaries of the samples' tokens and of their text tokens; attention stays within a sample.
+        segment_ids: for a pack, int64 [sum S] the sample of each token: each modulation tensor is
+            gathered to its tokens (``m[segment_ids]``) inside the block, where the compiler may
+            recompute the gather in backward instead of keeping [sum S, dim] tensors alive.
 
     Returns:
         [B, S, dim] in ``x``'s dtype.
@@ -147,11 +150,11 @@ class WanBlock(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
 
     def forward(self, x: Tensor, context: Tensor, temb6: Tensor, cos: Tensor, sin: Tensor,
-                cu_seqlens: Optional[Tensor] = None, cu_context: Optional[Tensor] = None) -> Tensor:
-        if temb6.dim() == 3:  # one modulation per sample: [B, 1, dim] each
-            modulation = (self.scale_shift_table + temb6.float()).chunk(6, dim=1)
-        else:  # one per token: [B, S, dim] each
-            modulation = (self.scale_shift_table.unsqueeze(1) + temb6.float()).unbind(2)
+                cu_seqlens: Optional[Tensor] = None, cu_context: Optional[Tensor] = None,
+                segment_ids: Optional[Tensor] = None) -> Tensor:
+        modulation = (self.scale_shift_table + temb6.float()).chunk(6, dim=1)  # [B or n, 1, dim] each
+        if segment_ids is not None:  # a pack: each sample's modulation to its tokens, [1, sum S, dim] each
+            modulation = [m[:, 0][segment_ids][None] for m in modulation]
         shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = modulation
 
         norm_x = (self.norm1(x.float()) * (1 + scale_msa) + shift_msa).type_as(x)
@@ -318,12 +321,14 @@ class WanDiT(nn.Module):
         x = F.linear(tokens.to(param_dtype), self.patch_embedding.weight.flatten(1),
                      self.patch_embedding.bias)[None].clone()
         temb = self.time_embedding(timestep_embedding(timestep, cfg.freq_dim).to(param_dtype))  # [n, dim]
-        temb6 = self.time_projection(temb).unflatten(1, (6, cfg.dim))[None, segment_ids]  # [1, sum S, 6, dim]
+        temb6 = self.time_projection(temb).unflatten(1, (6, cfg.dim)).clone()  # [n, 6, dim], gathered in the blocks
         context = self.text_embedding(context.to(param_dtype)).flatten(0, 1)[None].clone()  # [1, n * L, dim]
         cu_context = torch.arange(n + 1, dtype=torch.int32) * text_len
         if not torch.compiler.is_compiling():
-            # n * L is an unbacked size to the compiled blocks: no guard on it, whatever Inductor's thresholds
+            # n and n * L are unbacked sizes to the compiled blocks: no guard on them, whatever Inductor's
+            # thresholds
             torch._dynamo.decorators.mark_unbacked(context, 1)
+            torch._dynamo.decorators.mark_unbacked(temb6, 0)
 
         table_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         shapes, repeats = torch.unique_consecutive(grid.cpu(), dim=0, return_counts=True)
@@ -331,7 +336,7 @@ class WanDiT(nn.Module):
         cos, sin = (torch.cat([t for t, k in zip(column, repeats.tolist()) for _ in range(k)])
                     for column in zip(*tables))
 
-        x = self._blocks(x, context, temb6, cos, sin, cu_host, cu_context)
+        x = self._blocks(x, context, temb6, cos, sin, cu_host, cu_context, segment_ids)
         temb = temb[segment_ids][None]  # [1, sum S, dim]
         shift, scale = self.scale_shift_table[:, :1] + temb, self.scale_shift_table[:, 1:] + temb
         x = self.proj_out(self._modulate_head(x, shift, scale))[0]  # [sum S, pt * ph * pw * C]

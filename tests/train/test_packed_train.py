@@ -120,8 +120,8 @@ def test_blocks_get_fresh_tensors():
     for block in model.blocks:
         block.register_forward_pre_hook(lambda _, args: seen.append([a for a in args if isinstance(a, torch.Tensor)]))
     model.forward_packed(pack.tokens, pack.sigma * 1000, pack.context, pack.grid, pack.layout.cu_seqlens)
-    assert len(seen) == len(model.blocks) and all(len(args) == 7 for args in seen)
-    assert [[a._base is None for a in args] for args in seen] == [[True] * 7] * len(seen)
+    assert len(seen) == len(model.blocks) and all(len(args) == 8 for args in seen)
+    assert [[a._base is None for a in args] for args in seen] == [[True] * 8] * len(seen)
 
 
 # CPU Inductor guards a reduction's length at 4,096 (it accumulates longer ones in blocks): these packs'
