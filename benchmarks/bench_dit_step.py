@@ -9,7 +9,7 @@ Models (``--model``; the defaults of the other flags depend on it):
   (weightless RMSNorm, per-token scale and shift from ``scale_shift_table + temb``), the head's a
   LayerNorm one outside the compiled blocks. S = frames x height x width tokens; the grid is
   ``ltx_grid``'s. Defaults: ``--shapes 1x6144 8x384``, ``--steps 5``, ``--backends inductor
-  adaptiveload``. Writes ``ltx_step_<tag>.json`` / ``.md`` as the ``bench_ltx_step.py`` it replaces did.
+  adaptiveload``. Writes ``ltx_step_<tag>.json`` / ``.md``, as the LTX-only script it replaced did.
 * ``wan``: ``WanTransformer3DModel`` at the Wan-2.1-1.3B shape: hidden 1536 (12 heads x 128), FFN
   8960, text_dim 4096, freq_dim 256, patch (1, 2, 2), 16 latent channels, cross_attn_norm, eps 1e-6,
   cut to ``--layers`` (default 10) blocks; the text is 512 random tokens of text_dim. S = T x H x W / 4
