@@ -21,16 +21,10 @@ Usage: python benchmarks/bench_residual.py [--B 1] [--N 65536] [--D 1536 3072 51
 """
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-from bench_adaln import copy_bandwidth
-from results_file import run_context, write_json_and_markdown
+from op_bench import finish, op_arguments, rel_err, start
 
 EPS = 1e-6
 FWD_TARGET, BWD_TARGET = 0.85, 0.75
@@ -116,9 +110,6 @@ def chain(v, x, y, gate, weight, bias, scale, shift):
     return r, n.to(x.dtype)
 
 
-def rel_err(out, ref) -> float:
-    return ((out.double() - ref.double()).norm() / ref.norm()).item()
-
 
 def accuracy(B, N, D, v, gen) -> dict:
     """Relative error vs float64 of r, out and every gradient, for the op and for Inductor."""
@@ -196,28 +187,13 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--B", type=int, nargs="+", default=[1])
-    parser.add_argument("--N", type=int, default=65536)
-    parser.add_argument("--D", type=int, nargs="+", default=[1536, 3072, 5120])
+    parser = op_arguments(__doc__.splitlines()[0], [1536, 3072, 5120], "residual")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--acc-N", type=int, default=4096, help="sequence length of the accuracy rows")
-    parser.add_argument("--acc-D", type=int, nargs="+", default=[3072], help="widths of the accuracy rows")
-    parser.add_argument("--no-accuracy", action="store_true", help="skip the accuracy rows (Inductor compiles)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    parser.add_argument("--tag", default="h200", help="results file name: residual_<tag>.json / .md")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_residual: needs a CUDA GPU", file=sys.stderr)
+    setup = start("bench_residual")
+    if setup is None:
         return 1
-    os.environ["ADAPTIVELOAD_REQUIRE_KERNEL"] = "1"
-    import triton.testing as tt
-
-    import adaptiveload  # noqa: F401
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    bw = copy_bandwidth(tt)
-    print(f"copy {bw / 1e12:.2f} TB/s", flush=True)
+    tt, gen, bw = setup
     rows = []
     for B in args.B:
         for D in args.D:
@@ -236,11 +212,7 @@ def main(argv=None) -> int:
                 acc.append({"variant": name, "D": D, "errors": errors})
                 print(f"accuracy {name} D={D}: " + ", ".join(
                     f"{k} {e['fused']:.2e}/{e['inductor']:.2e}" for k, e in errors.items()), flush=True)
-    doc = {**run_context(__file__, argv), "gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda,
-           "copy_tb_s": bw / 1e12, "acc_N": args.acc_N, "rows": rows, "accuracy": acc}
-    text = markdown(doc)
-    write_json_and_markdown(str(args.out), f"residual_{args.tag}", doc, text)
-    print(text)
+    finish(__file__, argv, args, "residual", bw, rows, acc, markdown)
     return 0
 
 

@@ -18,16 +18,10 @@ Usage: python benchmarks/bench_rms_norm.py [--B 1] [--N 65536] [--D 2048 3072 40
 """
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-from bench_adaln import copy_bandwidth
-from results_file import run_context, write_json_and_markdown
+from op_bench import finish, op_arguments, rel_err, start
 
 EPS = 1e-6
 FWD_TARGET, BWD_TARGET = 0.85, 0.75
@@ -56,9 +50,6 @@ def eager_chain(x, w, s, h):
     y = F.rms_norm(x, (x.shape[-1],), w, EPS) * (1 + s)
     return y if h is None else y + h
 
-
-def rel_err(out, ref) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 def accuracy(B, N, D, layout, shift, gen) -> dict:
@@ -122,27 +113,12 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--B", type=int, nargs="+", default=[1])
-    parser.add_argument("--N", type=int, default=65536)
-    parser.add_argument("--D", type=int, nargs="+", default=[2048, 3072, 4096])
-    parser.add_argument("--acc-N", type=int, default=4096, help="sequence length of the accuracy rows")
-    parser.add_argument("--acc-D", type=int, nargs="+", default=[3072], help="widths of the accuracy rows")
-    parser.add_argument("--no-accuracy", action="store_true", help="skip the accuracy rows (Inductor compiles)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    parser.add_argument("--tag", default="h200", help="results file name: rms_norm_<tag>.json / .md")
+    parser = op_arguments(__doc__.splitlines()[0], [2048, 3072, 4096], "rms_norm")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_rms_norm: needs a CUDA GPU", file=sys.stderr)
+    setup = start("bench_rms_norm")
+    if setup is None:
         return 1
-    os.environ["ADAPTIVELOAD_REQUIRE_KERNEL"] = "1"
-    import triton.testing as tt
-
-    import adaptiveload  # noqa: F401
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    bw = copy_bandwidth(tt)
-    print(f"copy {bw / 1e12:.2f} TB/s", flush=True)
+    tt, gen, bw = setup
     rows = []
     for B in args.B:
         for D in args.D:
@@ -163,11 +139,7 @@ def main(argv=None) -> int:
                     acc.append({"D": D, "layout": layout, "shift": shift, "errors": errors})
                     print(f"accuracy D={D} {layout} shift={shift}: " + ", ".join(
                         f"{k} {v['fused']:.2e}/{v['inductor']:.2e}" for k, v in errors.items()), flush=True)
-    doc = {**run_context(__file__, argv), "gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda,
-           "copy_tb_s": bw / 1e12, "acc_N": args.acc_N, "rows": rows, "accuracy": acc}
-    text = markdown(doc)
-    write_json_and_markdown(str(args.out), f"rms_norm_{args.tag}", doc, text)
-    print(text)
+    finish(__file__, argv, args, "rms_norm", bw, rows, acc, markdown)
     return 0
 
 
