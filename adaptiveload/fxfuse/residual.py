@@ -41,6 +41,7 @@ rounds first (Flux's bf16 ``gate * y``) is not rounded, as Inductor's fused kern
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -398,11 +399,18 @@ def _nodes_to_move(operands: list[Node], point: Node, add: Node) -> tuple[list[N
 
 def _movable(node: Node) -> bool:
     """A node that may run earlier: an attribute read, or a function or method call without side
-    effects (FX's ``is_impure``: mutating schemas, random ops) that is not an in-place ``*_`` call;
+    effects (FX's ``is_impure``: mutating schemas, random ops) that is not an in-place ``*_`` call
+    (dunder methods such as ``__getitem__`` are not in-place) or augmented assignment (``+=``);
     not a placeholder, module call or output."""
     if node.op == "get_attr":
         return True
-    if node.op not in ("call_function", "call_method") or node.is_impure():
+    if node.op not in ("call_function", "call_method") or node.is_impure() or node.target in _IN_PLACE_OPERATORS:
         return False
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return not name.split(".")[0].endswith("_")
+    name = (node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")).split(".")[0]
+    return not name.endswith("_") or name.endswith("__")  # `add_` mutates; `__getitem__` does not
+
+
+# what Dynamo records for `t += ...` and the like: they mutate their first operand
+_IN_PLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                                 operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
+                                 operator.ixor, operator.ilshift, operator.irshift})

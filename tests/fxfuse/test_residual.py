@@ -263,6 +263,16 @@ def _scale_after_an_in_place_op(x, y, emb, w):  # the scale's nodes after `z` ca
     return n * (1 + sc), z
 
 
+def _scale_after_an_augmented_assignment(x, y, emb, w):  # as above, `e += 1` (Dynamo: operator.iadd)
+    r = x + y
+    n = F.layer_norm(r, (D,))
+    z = r * 2
+    e = emb * 1
+    e += 1
+    sc = torch.sigmoid(e[:, :D])[:, None]
+    return n * (1 + sc), z
+
+
 def _two_modulations(x, y, emb, w):  # LTX-2's audio_to_video_norm behind a residual
     sh, sc, _, sh2, sc2, _ = _mods(emb)
     n = F.layer_norm(x + y, (D,))
@@ -290,6 +300,8 @@ MUST_NOT_FUSE = {
     "scale_from_sum": (_scale_from_sum, "scale `mean` is computed from the residual sum", [ADALN]),
     "scale_after_an_in_place_op": (_scale_after_an_in_place_op, "which reads the residual sum, and cannot move",
                                    [ADALN]),
+    "scale_after_an_augmented_assignment": (_scale_after_an_augmented_assignment,
+                                            "which reads the residual sum, and cannot move", [ADALN]),
     "two_modulations": (_two_modulations, "the normalised tensor feeds 2 modulations", [ADALN, ADALN]),
     "broadcast_x": (_broadcast_x, None, [ADALN]),
     "int_operand": (_int_operand, "residual x (shape [2, 5, 16], dtype int64) is not floating point", [ADALN]),
