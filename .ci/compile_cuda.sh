@@ -9,7 +9,9 @@
 #   source-dir  the kernel sources, also the include path (default: csrc of this checkout; an
 #               installed package's adaptiveload/_csrc works too)
 #   file.cu     only these, relative to source-dir (default: every .cu under it, hidden folders left out)
-# Set NVCC_VERBOSE=1 for ptxas resource usage.
+# The device code is compiled without NVVM's optimizer (-Xcicc -O0): the check is whether it compiles,
+# and that is 4x faster (81 s -> 19 s for residual_backward_bf16.cu on 2 cores). Set NVCC_VERBOSE=1 for
+# ptxas resource usage, which compiles the optimized code (the registers and spills the build gets).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-python3}
@@ -33,8 +35,8 @@ PYINC=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 ABI=$("$PY" -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
 OUTDIR=$(mktemp -d)
 trap 'rm -rf "$OUTDIR"' EXIT
-EXTRA=()
-if [[ "${NVCC_VERBOSE:-0}" == 1 ]]; then EXTRA+=(-Xptxas -v); fi
+EXTRA=(-Xcicc -O0)
+if [[ "${NVCC_VERBOSE:-0}" == 1 ]]; then EXTRA=(-Xptxas -v); fi
 status=0
 pids=()
 for f in "${FILES[@]}"; do
