@@ -230,7 +230,7 @@ def train_run(cfg: JobConfig, run: RunSpec, data: JobData, ctx: DistContext, cal
                             m_mem=cfg.m_mem, drop_oversized=cfg.drop_oversized)
         sampler = make_sampler(run.policy, plan, corpus, ctx, cfg.seed)
         failure = warm_up(step, spec, sampler, ctx, progress, corpus.latent_shapes)  # before a resume loads optimizer state (frozen_weights clears it)
-        result.planned(plan, sampler, time.perf_counter() - start)
+        result.planned(plan, sampler, time.perf_counter() - start, calibration.cost_model)
         # synthetic samples without worker processes are drawn on the training device (data module docstring)
         dataset = LatentDataset(corpus.latent_shapes, spec, seed=cfg.seed, loader=files,
                                 device=ctx.device if workers == 0 and files is None else torch.device("cpu"))

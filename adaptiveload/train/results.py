@@ -8,6 +8,8 @@ excluded). Compute-load CV and idle fraction come from the profiled steps' busy 
 over steps of the KS statistic between the sequence lengths a step trained (all ranks) and the
 corpus's, and ``composition_lag1_corr``, the correlation of consecutive steps' mean length
 (:func:`~adaptiveload.sched.metrics.composition`, as ``adaptiveload simulate`` reports them).
+How well the plan's cost model predicted the steps: ``step_time_rel_err_median``
+(:func:`step_time_prediction`).
 ``results.json`` is rewritten atomically after every
 evaluation and at the end, so a run that fails keeps what it measured.
 """
@@ -45,11 +47,41 @@ def step_composition(history: list, seq_lens) -> dict:
     return {"composition_ks": ks, "composition_lag1_corr": lag1}
 
 
-def summarize_run(state: RunState, ctx: DistContext, peak_memory_bytes: int, total_steps: int, seq_lens) -> dict:
+def step_time_prediction(history: list, seq_lens, cost_model) -> dict:
+    """How well ``cost_model`` (the plan's, seconds) predicted the steps of ``history``: a step's
+    prediction is its slowest rank's, ``cost_model.predict_packs`` over the corpus lengths
+    ``seq_lens`` [n] of the samples the rank trained (a bucket of B samples of one length is a pack of
+    them; a rank without samples, the intercept), against the measured step time. Only steps that
+    were neither profiled nor compiled a graph count.
+
+    Returns:
+        ``step_time_rel_err_median``: median over those steps of |predicted - measured| / measured;
+        ``step_time_rel_err_mean``: mean of (predicted - measured) / measured (> 0: the model predicts
+        slower steps than measured); ``step_time_predicted_steps``: how many steps counted. NaN (and 0)
+        without such steps or without a cost model.
+    """
+    steps = [h for h in history if h["busy_s"] is None and not h.get("compiled")]
+    if cost_model is None or not steps:
+        return {"step_time_rel_err_median": float("nan"), "step_time_rel_err_mean": float("nan"),
+                "step_time_predicted_steps": 0}
+    seq_lens = np.asarray(seq_lens)
+    predicted = np.array([
+        cost_model.predict_packs(seq_lens[np.concatenate([np.asarray(i, dtype=np.int64) for i in h["indices"]])],
+                                 np.array([len(i) for i in h["indices"]])).max()
+        for h in steps])
+    measured = np.array([h["step_time_s"] for h in steps])
+    rel = (predicted - measured) / measured
+    return {"step_time_rel_err_median": float(np.median(np.abs(rel))), "step_time_rel_err_mean": float(rel.mean()),
+            "step_time_predicted_steps": len(steps)}
+
+
+def summarize_run(state: RunState, ctx: DistContext, peak_memory_bytes: int, total_steps: int, seq_lens,
+                  cost_model=None) -> dict:
     """A run's measurements so far: steps, tokens, tokens/s (all steps, and the unprofiled ones),
     step-time statistics, busy time per rank, load balance, step composition (against the corpus's
-    ``seq_lens``), peak memory per rank (CUDA), eval loss and the step history. A collective (peak
-    memory is gathered): every rank calls it."""
+    ``seq_lens``), how well ``cost_model`` (the plan's; None before planning) predicted the step times,
+    peak memory per rank (CUDA), eval loss and the step history. A collective (peak memory is
+    gathered): every rank calls it."""
     history = state.history
     tokens = sum(r["global_tokens"] for r in history)
     samples = sum(r["global_samples"] for r in history)
@@ -66,6 +98,7 @@ def summarize_run(state: RunState, ctx: DistContext, peak_memory_bytes: int, tot
         "busy_time_s_per_rank": busy.mean(axis=0).tolist() if busy.size else [],
         **load_balance(busy),
         **step_composition(history, seq_lens),
+        **step_time_prediction(history, seq_lens, cost_model),
         "peak_memory_bytes_per_rank": peaks if ctx.device.type == "cuda" else None,
         "eval_loss": [list(e) for e in state.evals],
         "final_eval_loss": state.evals[-1][1] if state.evals else float("nan"),
@@ -89,14 +122,17 @@ class RunResult:
         """``seq_lens``: int [n] tokens of every corpus sample (for the step composition); ``settings``:
         the entry's first fields (name, backend, policy, ...)."""
         self.seq_lens = seq_lens
+        self.cost_model = None
         self.data = {**settings, "status": "running"}
         self._graphs_at_start = compiled_graphs()
         self._graphs_warm = self._graphs_at_start
 
-    def planned(self, plan, sampler, warmup_s: float) -> None:
-        """Record the plan and the sampler's batch sizes (None for packs), and the end of compile
-        warm-up (``warmup_s`` after the run started): graphs compiled after it count as compiled in
+    def planned(self, plan, sampler, warmup_s: float, cost_model) -> None:
+        """Record the plan and the sampler's batch sizes (None for packs), the plan's ``cost_model``
+        (the steps' predicted times, :func:`step_time_prediction`), and the end of compile warm-up
+        (``warmup_s`` after the run started): graphs compiled after it count as compiled in
         training."""
+        self.cost_model = cost_model
         self.data.update({
             "plan": {"m_mem": plan.m_mem, "m_mem_limit": plan.m_mem_limit, "step_budget_s": plan.step_budget_s,
                      "predicted": plan.predicted},
@@ -116,7 +152,7 @@ class RunResult:
         evaluation, calibration: recompiles + 1), and ``compiled_graphs_in_training`` those compiled
         inside the timed loop (their time counts in tokens/s; ``compile_steps`` names the steps), the
         most on any rank."""
-        self.data.update(summarize_run(state, ctx, peak_memory_bytes, total_steps, self.seq_lens))
+        self.data.update(summarize_run(state, ctx, peak_memory_bytes, total_steps, self.seq_lens, self.cost_model))
         self.data.update(status=status, error=error, hint=hint, **fusion)
         now = compiled_graphs()
         counts = ctx.all_gather([now - self._graphs_at_start, now - self._graphs_warm]).max(dim=0).values

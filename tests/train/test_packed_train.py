@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from adaptiveload.models import WanConfig, WanDiT, build_model, patchify_packed
+from adaptiveload.sched.cost_model import QuadraticCostModel
 from adaptiveload.sched.metrics import composition
 from adaptiveload.train.data import LatentDataset, collate, collate_pack, synthetic_pack
 from adaptiveload.train.distributed import DistContext
 from adaptiveload.train.loop import compiled_graphs, warm_up_packs
-from adaptiveload.train.results import step_composition
+from adaptiveload.train.results import step_composition, step_time_prediction
 from adaptiveload.train.step import InputSpec, StepConfig, TrainStep, flow_matching_loss
 
 PACKS = [[(2, 4, 6), (1, 4, 6), (1, 4, 6)], [(3, 4, 4)], [(1, 4, 4), (2, 4, 6), (1, 6, 4), (1, 4, 4), (3, 2, 2)],
@@ -91,7 +92,6 @@ def test_packs_of_any_composition_reuse_the_compiled_blocks():
 
 
 def test_warm_up_packs_are_each_octave_s_ends_and_the_padding_pack():
-    from adaptiveload.sched.cost_model import QuadraticCostModel
     from adaptiveload.sched.packing import PackingSampler
 
     shapes = np.array([(1, 4, 6)] * 40 + [(3, 8, 8)] * 3 + [(1, 2, 2)] * 2 + [(1, 6, 6)] * 10)
@@ -138,7 +138,6 @@ def test_inductor_compiles_the_graphs_of_an_epoch_in_warm_up():
     all in the job's warm-up; the epoch's steps compile none. (Before: 8 packs of such compositions
     compiled 8 graphs, one per combination of sides of sum S and n * L, and each again for the first
     block, whose input was a view.) About 60 s on 2 busy cores, mostly Inductor's compile."""
-    from adaptiveload.sched.cost_model import QuadraticCostModel
     from adaptiveload.sched.packing import PackingSampler
     from adaptiveload.train.loop import warm_up
 
@@ -169,6 +168,26 @@ def test_step_composition_is_the_metric_of_the_trained_indices():
     got = step_composition(history, seq)
     assert got["composition_ks"] == pytest.approx(ks) and np.isnan(lag1) == np.isnan(got["composition_lag1_corr"])
     assert np.isnan(step_composition([], seq)["composition_ks"])
+
+
+def test_step_time_prediction_is_the_slowest_ranks_pack_against_the_measured_step():
+    """Hand-computed: t = 0.1 + 0.01 S + 0.001 S^2 per sample (intercept 0.1 once a pack)."""
+    cost = QuadraticCostModel(0.1, 0.01, 0.001)
+    seq = np.array([10, 20, 10, 30])
+    # rank packs: step 0 {10, 20} vs {10}: 0.1 + (0.1 + 0.1) + (0.2 + 0.4) = 0.9 against 0.3;
+    # step 1 {30} vs no sample (the intercept): 0.1 + 0.3 + 0.9 = 1.3; step 2 profiled, step 3 compiled
+    history = [{"indices": [[0, 1], [2]], "step_time_s": 1.0, "busy_s": None},
+               {"indices": [[3], []], "step_time_s": 1.04, "busy_s": None},
+               {"indices": [[0], [1]], "step_time_s": 9.0, "busy_s": [1.0, 1.0]},
+               {"indices": [[0], [1]], "step_time_s": 9.0, "busy_s": None, "compiled": True}]
+    got = step_time_prediction(history, seq, cost)
+    rel = np.array([0.9 / 1.0 - 1, 1.3 / 1.04 - 1])
+    assert got["step_time_predicted_steps"] == 2
+    assert got["step_time_rel_err_median"] == pytest.approx(np.median(np.abs(rel)))
+    assert got["step_time_rel_err_mean"] == pytest.approx(rel.mean())
+    empty = step_time_prediction(history[2:], seq, cost)
+    assert empty["step_time_predicted_steps"] == 0 and np.isnan(empty["step_time_rel_err_median"])
+    assert np.isnan(step_time_prediction(history, seq, None)["step_time_rel_err_median"])
 
 
 def test_policy_packed_needs_a_forward_packed_method(monkeypatch, capsys, tmp_path):
