@@ -11,6 +11,10 @@ falling back to the reference with one warning when they cannot be built). float
 wider than the kernels' limit use the reference. Once the kernels are loaded, CUDA calls go to their
 own CUDA and AutogradCUDA kernels, registered from C++ (``csrc/norm_modulate_dispatch.cu``), which
 hand the CUDA path below only the calls they do not take (see :mod:`adaptiveload.ops.extension`).
+
+At the end, ``adaln_modulate_segmented`` and its backward: the same op for packed sequences, scale
+and shift [n, D] with ``segment_ids`` [T] (their schemas here, their kernels from
+:func:`adaptiveload.ops.segmented.register`, which call the two ops above).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from adaptiveload.ops import common, extension
+from adaptiveload.ops import common, extension, segmented
 from adaptiveload.ops.adaln_modulate import reference
 
 _OP = "adaln_modulate"
@@ -155,3 +159,16 @@ def _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd)
 
 extension.CUDA_PATHS.update({"adaln_modulate": _adaln_modulate_cuda,
                               "adaln_modulate_backward": _adaln_modulate_backward_cuda})
+
+
+# --- the segmented layout (:mod:`adaptiveload.ops.segmented`): scale/shift [n, D] and segment_ids [T] ---
+
+_segmented_lib = common.define(
+    "adaln_modulate_segmented(Tensor x, Tensor? weight, Tensor? bias, Tensor scale, Tensor? shift, Tensor segment_ids, "
+    "float eps, ScalarType out_dtype) -> (Tensor, Tensor, Tensor)",
+    "adaln_modulate_segmented_backward(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor scale, Tensor? shift, "
+    "Tensor segment_ids, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+segmented.register(_segmented_lib, _OP, params=("weight", "bias"), stats=("mean", "rstd"))
+adaln_modulate_segmented = torch.ops.adaptiveload.adaln_modulate_segmented
+adaln_modulate_segmented_backward = torch.ops.adaptiveload.adaln_modulate_segmented_backward

@@ -12,6 +12,10 @@ when they cannot be built). float64 inputs and rows wider than the kernels' limi
 Once the kernels are loaded, CUDA calls go to their own CUDA and AutogradCUDA kernels, registered from
 C++ (``csrc/norm_modulate_dispatch.cu``), which hand the CUDA path below only the calls they do not
 take (see :mod:`adaptiveload.ops.extension`).
+
+At the end, ``rms_norm_modulate_segmented`` and its backward: the same op for packed sequences, scale
+and shift [n, D] with ``segment_ids`` [T] (their schemas here, their kernels from
+:func:`adaptiveload.ops.segmented.register`, which call the two ops above).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from adaptiveload.ops import common, extension
+from adaptiveload.ops import common, extension, segmented
 from adaptiveload.ops.rms_norm_modulate import reference
 
 _OP = "rms_norm_modulate"
@@ -153,3 +157,16 @@ def _rms_norm_modulate_backward_cuda(dy, x, weight, scale, shift, rstd):
 
 extension.CUDA_PATHS.update({"rms_norm_modulate": _rms_norm_modulate_cuda,
                               "rms_norm_modulate_backward": _rms_norm_modulate_backward_cuda})
+
+
+# --- the segmented layout (:mod:`adaptiveload.ops.segmented`): scale/shift [n, D] and segment_ids [T] ---
+
+_segmented_lib = common.define(
+    "rms_norm_modulate_segmented(Tensor x, Tensor? weight, Tensor scale, Tensor? shift, Tensor segment_ids, float eps, "
+    "ScalarType out_dtype) -> (Tensor, Tensor)",
+    "rms_norm_modulate_segmented_backward(Tensor dy, Tensor x, Tensor? weight, Tensor scale, Tensor? shift, "
+    "Tensor segment_ids, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+segmented.register(_segmented_lib, _OP, params=("weight",), stats=("rstd",))
+rms_norm_modulate_segmented = torch.ops.adaptiveload.rms_norm_modulate_segmented
+rms_norm_modulate_segmented_backward = torch.ops.adaptiveload.rms_norm_modulate_segmented_backward

@@ -1,0 +1,188 @@
+"""The segmented modulation layout of the norm→modulate families: one modulation row per segment
+(packed sample) and the segment of each row of x, instead of a modulation row per token.
+
+    x            [..., D] (2+ dims) of T = x.numel() // D rows: samples of different lengths packed
+                 into one sequence ([1, T, D] or [T, D]);
+    segment_ids  int32 or int64 [T], on x's device: the segment of each row, in [0, n), in any order
+                 (a segment may have no rows);
+    scale, shift [n, D], any strides (a ``.chunk()`` of [n, k*D], ``m[:, i]`` of [n, k, D]); shift
+                 optional, with scale's n.
+
+    {base}_segmented(x, ..., scale, shift, segment_ids, eps, out_dtype)
+        == {base}(x, ..., scale[segment_ids].view(x.shape), shift[segment_ids].view(x.shape), eps, out_dtype)
+
+Gathering ``scale[segment_ids]`` in the model and calling the base op makes autograd keep that
+per-token tensor until backward; the segmented ops keep only their inputs (the compact scale and
+shift, segment_ids) and the statistics (:func:`adaptiveload.ops.common.differentiable`).
+
+Kernels (CompositeExplicitAutograd, so the base ops below them dispatch to the CUDA kernels on a GPU):
+the forward gathers the per-token modulation transiently (``index_select``, in float32, or float64
+for float64 modulation: a 16-bit scale widens exactly, and the CUDA kernels take float32
+modulation with 16-bit x) and calls the base op; the backward gathers again, calls the base
+backward op and sums each per-token modulation gradient over its segment (:func:`segment_sum`).
+
+Validation: each kernel checks the shapes, dtypes and devices once per signature
+(:func:`adaptiveload.ops.common.validate`), the fake kernels on every trace. The values of
+segment_ids are checked on CPU only, on every call: on CUDA reading them would make the host wait
+for the device, and an id out of [0, n) trips ``index_select``'s device-side assert instead of a
+``ValueError``.
+
+Each family's ``op.py`` defines its two schemas (``common.define``) and calls :func:`register`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from adaptiveload.ops import common
+from adaptiveload.ops.common import describe
+
+ID_DTYPES = (torch.int32, torch.int64)
+
+
+def rows(x: Tensor) -> int:
+    """T, the number of rows of x [..., D] (a symbolic size under tracing)."""
+    return math.prod(x.shape[:-1])
+
+
+def check_inputs(op: str, x: Tensor, params: dict, scale: Tensor, shift: Optional[Tensor], segment_ids: Tensor,
+                 out_dtype: torch.dtype, eps: Optional[float] = None) -> None:
+    """The checks of a segmented op's inputs: those of the base op for x, the norm's affine
+    ``params`` (by name), ``out_dtype`` and ``eps`` (None: not checked); scale and shift floating
+    [n, D] with one n, on x's device; segment_ids 1-D int32/int64 with one id per row of x, on x's
+    device. Shapes, dtypes and devices only (see :func:`check_ids` for the values). Sizes that may
+    be unbacked under tracing (n, T) are compared with ``torch._check_value``, which defers the
+    check to run time where it cannot decide it.
+
+    Raises:
+        ValueError: naming the offending tensor with its shape and dtype (or device), or the bad
+            eps / out_dtype.
+    """
+    common.check_common(op, x, params, {}, out_dtype, eps, scale_optional=True)
+    D = x.shape[-1]
+    for name, t in (("scale", scale), ("shift", shift)):
+        if t is not None and (t.dtype not in common.FLOATING or t.dim() != 2 or t.shape[1] != D):
+            raise ValueError(f"{op}: {describe(name, t)} must be floating point of shape [n, {D}] (one row per "
+                             f"segment, D the last dim of x)")
+    if segment_ids.dtype not in ID_DTYPES or segment_ids.dim() != 1:
+        raise ValueError(f"{op}: {describe('segment_ids', segment_ids)} must be a 1-D int32 or int64 tensor "
+                         "(the segment of each row of x)")
+    common.check_devices(op, x, {"scale": scale, "shift": shift, "segment_ids": segment_ids})
+    if shift is not None:
+        n = scale.shape[0]
+        torch._check_value(shift.shape[0] == n,
+                           lambda: f"{op}: {describe('shift', shift)} must have scale's {n} rows (one per segment)")
+    T = rows(x)
+    torch._check_value(segment_ids.shape[0] == T, lambda: f"{op}: {describe('segment_ids', segment_ids)} must "
+                       f"have one id per row of x (shape {list(x.shape)}: {T} rows)")
+
+
+def check_backward_inputs(op: str, dy: Tensor, x: Tensor, params: dict, scale: Tensor, shift: Optional[Tensor],
+                          segment_ids: Tensor, stats: dict) -> None:
+    """:func:`check_inputs` (no eps), then dy floating of x's shape and each of ``stats`` (by name)
+    one per row of x. Raises ``ValueError`` naming the offending tensor and its shape."""
+    check_inputs(op, x, params, scale, shift, segment_ids, x.dtype)
+    common.check_backward_common(op, x, {"dy": dy}, stats)
+
+
+def check_ids(op: str, segment_ids: Tensor, n: int) -> None:
+    """On CPU, every id in [0, n); on other devices nothing (the module doc says why).
+
+    Raises:
+        ValueError: an id out of range, naming segment_ids with its shape and the first bad row.
+    """
+    if segment_ids.device.type != "cpu":
+        return
+    bad = (segment_ids < 0) | (segment_ids >= n)
+    if bad.any():
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{op}: {describe('segment_ids', segment_ids)} holds {int(segment_ids[row])} at row {row}, "
+                         f"outside [0, {n}) (n = the rows of scale)")
+
+
+def gather(mod: Optional[Tensor], segment_ids: Tensor, x: Tensor) -> Optional[Tensor]:
+    """The per-token modulation ``mod[segment_ids]`` [*x.shape] (None for None), fresh and contiguous
+    in ``promote_types(mod.dtype, float32)``; the widening is done on the [n, D] rows, before the
+    gather, so the only per-token tensor is the result."""
+    if mod is None:
+        return None
+    return mod.to(torch.promote_types(mod.dtype, torch.float32)).index_select(0, segment_ids).view(x.shape)
+
+
+def segment_sum(per_token: Optional[Tensor], segment_ids: Tensor, mod: Optional[Tensor],
+                acc_dtype: torch.dtype) -> Optional[Tensor]:
+    """The gradient of ``mod`` [n, D] from that of its gather, ``per_token`` [..., D] (one row per id):
+    each segment's rows summed in ``acc_dtype`` (float32, or float64), then cast once to mod's dtype;
+    contiguous, zeros for a segment without rows; None when ``mod`` is None.
+
+    ``aten.embedding_dense_backward`` does the sum: deterministic on CPU (each thread owns a range
+    of segments and adds its rows in row order) and on CUDA (ids sorted, each segment reduced by
+    its own threads, no atomics), never waiting on the device; ids in any order.
+    """
+    if mod is None:
+        return None
+    grad = per_token.reshape(segment_ids.shape[0], per_token.shape[-1]).to(acc_dtype)
+    sums = torch.ops.aten.embedding_dense_backward(grad, segment_ids.long(), mod.shape[0], -1, False)
+    return sums.to(mod.dtype)
+
+
+def register(lib: torch.library.Library, base: str, params: tuple[str, ...], stats: tuple[str, ...]) -> None:
+    """Register ``{base}_segmented`` and ``{base}_segmented_backward``, whose schemas ``lib`` defines:
+    the CompositeExplicitAutograd kernels (see the module doc), the fake kernels (checks, then
+    shapes only) and the autograd (:func:`adaptiveload.ops.common.differentiable`).
+
+    Args:
+        lib: the family's library, which defined both schemas: the base op's arguments with
+            ``Tensor segment_ids`` after shift (forward), after shift and before the statistics
+            (backward); an empty [0] tensor as the gradient of segment_ids.
+        base: the base op, e.g. ``"adaln_modulate"`` (its backward ``{base}_backward``).
+        params: the names of the norm's affine parameters, between x and scale (``("weight", "bias")``).
+        stats: the names of the per-row statistics the forward returns after y (``("mean", "rstd")``).
+    """
+    name = f"{base}_segmented"
+    forward_op = getattr(torch.ops.adaptiveload, base).default
+    backward_op = getattr(torch.ops.adaptiveload, f"{base}_backward").default
+    k = len(params)
+
+    def check_forward(x, *args):  # (x, *params, scale, shift, segment_ids, out_dtype, eps): validate's order
+        check_inputs(name, x, dict(zip(params, args[:k])), *args[k:])
+
+    def check_backward(dy, x, *args):  # (dy, x, *params, scale, shift, segment_ids, *stats)
+        check_backward_inputs(f"{name}_backward", dy, x, dict(zip(params, args[:k])), *args[k:k + 3],
+                              dict(zip(stats, args[k + 3:])))
+
+    def forward(x, *args):
+        *affine, scale, shift, segment_ids, eps, out_dtype = args
+        common.validate(check_forward, (x, *affine, scale, shift, segment_ids), out_dtype, eps)
+        check_ids(name, segment_ids, scale.shape[0])
+        return forward_op(x, *affine, gather(scale, segment_ids, x), gather(shift, segment_ids, x), eps, out_dtype)
+
+    def forward_fake(x, *args):
+        *affine, scale, shift, segment_ids, eps, out_dtype = args
+        check_forward(x, *affine, scale, shift, segment_ids, out_dtype, eps)
+        stat_dtype = common.compute_dtype(x, *affine, scale, shift)
+        return (x.new_empty(x.shape, dtype=out_dtype), *(x.new_empty(x.shape[:-1], dtype=stat_dtype) for _ in stats))
+
+    def backward(dy, x, *args):
+        affine, (scale, shift, segment_ids), statistics = args[:k], args[k:k + 3], args[k + 3:]
+        common.validate(check_backward, (dy, x, *args))
+        check_ids(f"{name}_backward", segment_ids, scale.shape[0])
+        dx, *daffine, dscale, dshift = backward_op(dy, x, *affine, gather(scale, segment_ids, x),
+                                                   gather(shift, segment_ids, x), *statistics)
+        acc_dtype = common.compute_dtype(x, *affine, scale, shift)
+        return common.grads_or_empty((dx, *daffine, segment_sum(dscale, segment_ids, scale, acc_dtype),
+                                      segment_sum(dshift, segment_ids, shift, acc_dtype), None), x)
+
+    def backward_fake(dy, x, *args):
+        check_backward(dy, x, *args)
+        affine, (scale, shift) = args[:k], args[k:k + 2]
+        return tuple(common.empty_like_contiguous(t, x) for t in (x, *affine, scale, shift, None))
+
+    lib.impl(name, forward, "CompositeExplicitAutograd")
+    lib.impl(f"{name}_backward", backward, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"adaptiveload::{name}", forward_fake, lib=lib)
+    torch.library.register_fake(f"adaptiveload::{name}_backward", backward_fake, lib=lib)
+    common.differentiable(lib, name, n_tensors=len(params) + 4)
