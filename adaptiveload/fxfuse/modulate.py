@@ -25,7 +25,8 @@ the normalised tensor. That keeps out RoPE after a q/k norm, ``x * cos + rotate(
 Check: :meth:`NormModulatePattern.check` returns a :class:`Verdict` whose ``reason`` says why a
 chain is left alone, or None when the fused op provably computes what the chain computed (shapes,
 dtypes and devices from the graph's fake values; the op's own fake kernel run on them as the last
-word).
+word). Modulation gathered to a pack's tokens from one row per sample (``m[segment_ids]``,
+:func:`segmented_modulation`) goes to the op's segmented layout, which keeps no per-token copy of it.
 
 The residual patterns (:mod:`adaptiveload.fxfuse.residual`) match a norm site the same way and reuse
 these pieces: :func:`site_chains` (match), :meth:`NormModulatePattern.check_chain` (the norm and
@@ -54,6 +55,7 @@ from adaptiveload.fxfuse.nodes import (
     norm_site,
     one_plus_operand,
     rms_norm_default_eps,
+    row_gather,
     static_dims,
     strip_exact_casts,
     times_one_operand,
@@ -270,6 +272,7 @@ class Verdict:
     absorbed: list[Node] = field(default_factory=list)
     eps: float = 0.0
     fake_outputs: Optional[tuple] = None
+    segmented: Optional["Segmented"] = None
 
 
 def describe_fake(name: str, t: torch.Tensor) -> str:
@@ -357,6 +360,63 @@ def fake_outputs(op, fake_mode, inputs: tuple, scalars: tuple, finals: tuple, ca
     return tuple(outputs)
 
 
+# --- segmented modulation ---------------------------------------------------------------------
+
+
+@dataclass
+class Segmented:
+    """Modulation gathered to the tokens from one row per segment (a pack's samples):
+    ``scale = m_scale[segment_ids]`` (and the shift alike), x [1, T, D] or [T, D].
+
+    Attributes:
+        scale, shift: the per-segment rows the graph gathers from, [n, D] (shift None if absent).
+        segment_ids: the 1-D integer node both gathers index with, [T].
+        nodes: the gathers and their views, which die with the chain unless used elsewhere.
+    """
+
+    scale: Node
+    shift: Optional[Node]
+    segment_ids: Node
+    nodes: list[Node]
+
+
+def _gathered(mod: Node, x_dims: list) -> Optional[tuple[Node, Node, list[Node]]]:
+    """``(src, ids, nodes)`` when ``mod`` is ``src[ids]`` of x's shape, or such a gather with leading
+    1-dims added (``src[ids][None]``, ``.unsqueeze(0)``) for x [1, T, D]."""
+    nodes, gather = [], mod
+    found = row_gather(gather)
+    if found is None:
+        gather = view_source(mod)
+        found = row_gather(gather)
+        if found is None:
+            return None
+        nodes.append(mod)
+    nodes.append(gather)
+    gather_dims = static_dims(fake_value(gather).shape)
+    if x_dims[-2:] != gather_dims or any(d != 1 for d in x_dims[:-2]):
+        return None
+    return (*found, nodes)
+
+
+def segmented_modulation(chain: Chain, x_dims: list) -> Optional[Segmented]:
+    """The chain's scale and shift as per-segment rows, when both are gathers by one segment_ids
+    node (:func:`~adaptiveload.fxfuse.nodes.row_gather`) from tensors of the same number of rows,
+    to x's shape ``x_dims`` (x [1, T, D] or [T, D]); None otherwise (then the gathered tensors are
+    per-token modulation)."""
+    if chain.scale is None or chain.scale_view is not None:
+        return None
+    scale = _gathered(chain.scale, x_dims)
+    if scale is None:
+        return None
+    shift = None if chain.shift is None else _gathered(chain.shift, x_dims)
+    if chain.shift is not None:
+        rows = [static_dims(fake_value(g[0]).shape)[0] for g in (scale, shift) if g is not None]
+        if shift is None or shift[1] is not scale[1] or rows[0] != rows[1]:
+            return None
+    return Segmented(scale[0], None if shift is None else shift[0], scale[1],
+                     [*scale[2], *([] if shift is None else shift[2])])
+
+
 # --- the pattern of one norm→modulate op ---------------------------------------------------------
 
 _META_KEYS = ("val", "example_value")
@@ -374,12 +434,16 @@ class NormModulatePattern:
         op: the fused op, called as ``op(x, weight, [bias,] scale, shift, eps, out_dtype)`` and
             returning ``(y, *statistics)``.
         has_bias: whether the op takes the norm's bias.
+        segmented_op: the op's segmented layout, called as ``segmented_op(x, weight, [bias,]
+            scale, shift, segment_ids, eps, out_dtype)`` with per-segment scale and shift [n, D],
+            for chains whose modulation is gathered to the tokens (:func:`segmented_modulation`).
     """
 
     name: str
     family: str
     op: Any
     has_bias: bool
+    segmented_op: Any = None
 
     # --- match ---
 
@@ -407,6 +471,8 @@ class NormModulatePattern:
         verdict, values = self.check_chain(chain)
         if verdict.reason is not None:
             return verdict
+        if self._check_segmented(chain, verdict, values, fake_cache):
+            return verdict
         inputs = self.tensor_args(values.x, values.weight, values.bias, values.scale, values.shift)
         try:
             verdict.fake_outputs = fake_outputs(self.op, values.fake_mode, inputs, (verdict.eps, values.final.dtype),
@@ -414,6 +480,28 @@ class NormModulatePattern:
         except (ValueError, RuntimeError) as err:
             verdict.reason = f"the fused op rejects the inputs: {err}"
         return verdict
+
+    def _check_segmented(self, chain: Chain, verdict: Verdict, values: "ChainValues",
+                         fake_cache: Optional[dict]) -> bool:
+        """Plan the segmented op for a chain whose modulation is gathered per segment (sets
+        ``verdict.segmented``, its layout and fake outputs; True). False when the chain's modulation
+        is not such a gather or the segmented op refuses it: the chain then passes its per-token
+        modulation to the plain op."""
+        if self.segmented_op is None:
+            return False
+        seg = segmented_modulation(chain, static_dims(values.x.shape))
+        if seg is None:
+            return False
+        inputs = (*self.tensor_args(values.x, values.weight, values.bias, fake_value(seg.scale),
+                                    fake_value(seg.shift)), fake_value(seg.segment_ids))
+        try:
+            verdict.fake_outputs = fake_outputs(self.segmented_op, values.fake_mode, inputs,
+                                                (verdict.eps, values.final.dtype), (values.final,), fake_cache)
+        except (ValueError, RuntimeError):
+            return False
+        verdict.segmented = seg
+        verdict.layout = "segmented" if seg.shift is not None else "segmented, no shift"
+        return True
 
     def check_chain(self, chain: Chain) -> tuple[Verdict, Optional["ChainValues"]]:
         """Every rule of :meth:`check` but the op's fake kernel, and the fake values it read.
@@ -503,13 +591,18 @@ class NormModulatePattern:
         ``replaced`` maps final nodes already replaced in this graph to their replacement (a chain's
         input may be an earlier chain's final node); it is updated. Returns the new getitem node.
         """
-        graph, final, site = gm.graph, chain.final, chain.site
+        graph, final, site, seg = gm.graph, chain.final, chain.site, verdict.segmented
         with graph.inserting_before(final):
             x, weight, bias, scale, shift = norm_operands(graph, chain, verdict, replaced)
-            args = (*self.tensor_args(x, weight, bias, scale, shift), verdict.eps, fake_value(final).dtype)
-            (out,) = call_fused(graph, self.op, args, verdict.fake_outputs, (final,), replaced)
+            op, tensors = self.op, self.tensor_args(x, weight, bias, scale, shift)
+            if seg is not None:
+                op = self.segmented_op
+                tensors = (*self.tensor_args(x, weight, bias, graph_value(seg.scale, replaced),
+                                             graph_value(seg.shift, replaced)), graph_value(seg.segment_ids, replaced))
+            args = (*tensors, verdict.eps, fake_value(final).dtype)
+            (out,) = call_fused(graph, op, args, verdict.fake_outputs, (final,), replaced)
         dead = [*chain.nodes, *chain.leftovers, site.output, *site.node.users, site.node, *site.internal,
-                *verdict.absorbed]
+                *verdict.absorbed, *(seg.nodes if seg is not None else ())]
         erase_unused(graph, dead)
         return out
 

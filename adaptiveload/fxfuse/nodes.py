@@ -140,6 +140,33 @@ def view_source(node: Any) -> Optional[Node]:
     return node.args[0]
 
 
+_INDEX_SELECT = {torch.index_select, aten.index_select.default}
+_INTEGER_INDEX = (torch.int32, torch.int64)
+
+
+def row_gather(node: Any) -> Optional[tuple[Node, Node]]:
+    """``(src, ids)`` when ``node`` gathers rows of a 2-D tensor by a 1-D integer tensor of row
+    indices: ``src[ids]``, ``src.index_select(0, ids)``, ``torch.index_select(src, 0, ids)``,
+    ``aten.index.Tensor(src, [ids])`` (fake values show src [n, D] and ids int32/int64 [T]); None
+    otherwise (a boolean mask, a gather along another dim, more than one index)."""
+    if not isinstance(node, Node) or len(node.args) < 2 or node.kwargs:
+        return None
+    src, index = node.args[0], None
+    if node.op == "call_function" and node.target in (operator.getitem, aten.index.Tensor) and len(node.args) == 2:
+        index = node.args[1]
+        if node.target is aten.index.Tensor:
+            index = index[0] if isinstance(index, (list, tuple)) and len(index) == 1 else None
+    elif ((node.op == "call_function" and node.target in _INDEX_SELECT)
+          or (node.op == "call_method" and node.target == "index_select")) and len(node.args) == 3:
+        index = node.args[2] if node.args[1] in (0, -2) else None
+    src_val, ids_val = fake_value(src), fake_value(index)
+    if src_val is None or ids_val is None or src_val.dim() != 2 or not is_floating(src_val):
+        return None
+    if ids_val.dim() != 1 or ids_val.dtype not in _INTEGER_INDEX:
+        return None
+    return src, index
+
+
 def times_one_operand(node: Any) -> Optional[Node]:
     """``x`` when ``node`` computes ``x * 1`` (what decomposing ``addcmul``'s ``value=1`` leaves)."""
     return _operand_beside_one(node, "mul")

@@ -161,6 +161,39 @@ def test_inductor_compiles_the_graphs_of_an_epoch_in_warm_up():
     torch._dynamo.reset()
 
 
+def test_compiled_blocks_modulate_a_pack_per_segment(monkeypatch):
+    """Where the residual patterns do not apply (CUDA, until their kernels are fast enough: the
+    residual op's FUSED_DEVICES), each block's norm1 and norm3 become adaln_modulate_segmented on the
+    pack's per-sample modulation [n, dim] and segment_ids -- no per-token modulation kept for
+    backward -- and the pack's loss and gradients still equal each sample's alone (float32)."""
+    from adaptiveload.fxfuse import registry
+
+    monkeypatch.setattr(registry, "_patterns", {p.name: p for p in registry.patterns()
+                                                if not p.name.startswith("residual_")})
+    torch._dynamo.reset()
+    shapes = PACKS[2]
+    spec, items = _items(shapes)
+    step = _step("adaptiveload")
+    pack = collate_pack(items, spec.patch_size, spec.text_len)
+    step.forward_backward(pack, len(shapes), 1.0)  # compiles (the op's fake runs would show in the profile)
+    step.module.zero_grad(set_to_none=True)
+    with torch.profiler.profile() as prof:
+        step.forward_backward(pack, len(shapes), 1.0)
+    grads = {n: p.grad.clone() for n, p in step.module.named_parameters()}
+    names = [e.name for e in prof.events()]
+    layers = len(step.module.blocks)
+    assert names.count("adaptiveload::adaln_modulate_segmented") == 2 * layers, sorted(set(names))
+    assert names.count("adaptiveload::adaln_modulate") == 2 * layers  # only inside the segmented op
+    assert names.count("adaptiveload::adaln_modulate_segmented_backward") == 2 * layers
+    reference = _step().module
+    expected = sum(flow_matching_loss(reference, b.latents, b.context, b.noise, b.sigma).sum()
+                   for b in (collate([item], spec.text_len) for item in items))
+    (expected / len(shapes)).backward()
+    for name, param in reference.named_parameters():
+        assert (grads[name] - param.grad).norm() <= 1e-5 * param.grad.norm() + 1e-10, name
+    torch._dynamo.reset()
+
+
 def test_step_composition_is_the_metric_of_the_trained_indices():
     history = [{"indices": [[0, 1], [2]]}, {"indices": [[3], []]}, {"indices": [[4, 5], [6]]}]
     seq = np.array([5, 5, 9, 9, 5, 7, 9])
