@@ -19,7 +19,8 @@ Kernels (CompositeExplicitAutograd, so the base ops below them dispatch to the C
 the forward gathers the per-token modulation transiently (``index_select``, in float32, or float64
 for float64 modulation: a 16-bit scale widens exactly, and the CUDA kernels take float32
 modulation with 16-bit x) and calls the base op; the backward gathers again, calls the base
-backward op and sums each per-token modulation gradient over its segment (:func:`segment_sum`).
+backward op and sums each per-token modulation gradient over its segment (:func:`segment_sum`:
+deterministic, no atomics).
 
 Validation: each kernel checks the shapes, dtypes and devices once per signature
 (:func:`adaptiveload.ops.common.validate`), the fake kernels on every trace. The values of
@@ -31,6 +32,7 @@ Each family's ``op.py`` defines its two schemas (``common.define``) and calls :f
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -118,15 +120,41 @@ def segment_sum(per_token: Optional[Tensor], segment_ids: Tensor, mod: Optional[
     each segment's rows summed in ``acc_dtype`` (float32, or float64), then cast once to mod's dtype;
     contiguous, zeros for a segment without rows; None when ``mod`` is None.
 
-    ``aten.embedding_dense_backward`` does the sum: deterministic on CPU (each thread owns a range
-    of segments and adds its rows in row order) and on CUDA (ids sorted, each segment reduced by
-    its own threads, no atomics), never waiting on the device; ids in any order.
+    On CUDA the sum is a product with the one-hot matrix of segment_ids, [n, T] @ [T, D]: a GEMM
+    gives the same bits on every run on one GPU (cuBLAS's reproducibility guarantee), unlike the
+    atomics of ``index_add_`` / ``scatter_add_`` and of CUDA's embedding backward (measured not
+    bit-identical on an H200), needs no host sync and takes ids in any order. It runs in full float32
+    (TF32 off for the call, whatever the user's matmul precision) or float64; 2 n T D flops, small
+    beside the per-token backward for packs of up to a few hundred samples. On CPU
+    ``aten.embedding_dense_backward`` sums (each thread owns a range of segments and adds its rows in
+    row order: the same bits for any thread count, which a CPU GEMM does not promise).
     """
     if mod is None:
         return None
     grad = per_token.reshape(segment_ids.shape[0], per_token.shape[-1]).to(acc_dtype)
-    sums = torch.ops.aten.embedding_dense_backward(grad, segment_ids.long(), mod.shape[0], -1, False)
-    return sums.to(mod.dtype)
+    if not grad.is_cuda:
+        return torch.ops.aten.embedding_dense_backward(grad, segment_ids.long(), mod.shape[0], -1, False).to(mod.dtype)
+    return one_hot_sum(grad, segment_ids, mod.shape[0]).to(mod.dtype)
+
+
+def one_hot_sum(grad: Tensor, segment_ids: Tensor, n: int) -> Tensor:
+    """``[n, D]``: the rows of ``grad`` [T, D] summed by segment, as the product of the [n, T] one-hot
+    matrix of ``segment_ids`` [T] and grad, in grad's dtype at full precision (no TF32)."""
+    segments = torch.arange(n, device=segment_ids.device, dtype=segment_ids.dtype)
+    one_hot = (segment_ids[None, :] == segments[:, None]).to(grad.dtype)
+    with _full_precision_matmul():
+        return one_hot @ grad
+
+
+@contextlib.contextmanager
+def _full_precision_matmul():
+    """CUDA float32 matmuls in full precision (no TF32) inside, the user's setting restored after."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def register(lib: torch.library.Library, base: str, params: tuple[str, ...], stats: tuple[str, ...]) -> None:

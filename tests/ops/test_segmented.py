@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import adaptiveload  # noqa: F401  (registers torch.ops.adaptiveload.*)
 from adaptiveload import functional
+from adaptiveload.ops import segmented
 from adaptiveload.ops.testing import (GRAD_LAYOUTS, OPCHECK_UTILS, TOL, assert_rel, check_backward_strides,
                                        check_op_against_float64, lay_out_grad)
 
@@ -221,6 +222,27 @@ def test_backward_is_deterministic(kind, device):
         torch.set_num_threads(threads)
     for g1, g2 in zip(first, second):
         assert torch.equal(g1, g2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_one_hot_sum_is_each_segments_row_sum_at_full_precision(device):
+    """The CUDA segment sum (segmented.one_hot_sum) against a float64 loop over segments, unsorted ids
+    and an empty segment included; float32 within its rounding even with TF32 allowed by the user."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 6, (3000,), generator=gen)
+    ids[ids == 4] = 5  # segment 4 has no rows
+    grad = torch.randn(3000, 40, generator=gen, dtype=torch.float64)
+    ref = torch.stack([grad[ids == k].sum(0) for k in range(6)])
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        got = segmented.one_hot_sum(grad.float().to(device), ids.to(torch.int32).to(device), 6)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert torch.backends.cuda.matmul.allow_tf32 == tf32  # restored
+    assert got.dtype == torch.float32 and not got[4].any()
+    assert_rel(got.cpu(), ref, 1e-6, "one_hot_sum")
+    assert_rel(segmented.one_hot_sum(grad.to(device), ids.to(device), 6).cpu(), ref, 1e-14, "one_hot_sum float64")
 
 
 def _saved_shapes(fn):
