@@ -25,8 +25,8 @@ the normalised tensor. That keeps out RoPE after a q/k norm, ``x * cos + rotate(
 Check: :meth:`NormModulatePattern.check` returns a :class:`Verdict` whose ``reason`` says why a
 chain is left alone, or None when the fused op provably computes what the chain computed (shapes,
 dtypes and devices from the graph's fake values; the op's own fake kernel run on them as the last
-word). Modulation gathered to a pack's tokens from one row per sample (``m[segment_ids]``,
-:func:`segmented_modulation`) goes to the op's segmented layout, which keeps no per-token copy of it.
+word). Modulation gathered to a pack's tokens from one row per sample (``m[segment_ids]``, or
+``m.repeat_interleave(lengths, dim=0, output_size=T)``; :func:`segmented_modulation`) goes to the op's segmented layout, which keeps no per-token copy of it.
 
 The residual patterns (:mod:`adaptiveload.fxfuse.residual`) match a norm site the same way and reuse
 these pieces: :func:`site_chains` (match), :meth:`NormModulatePattern.check_chain` (the norm and
@@ -56,6 +56,7 @@ from adaptiveload.fxfuse.nodes import (
     one_plus_operand,
     rms_norm_default_eps,
     row_gather,
+    row_repeat,
     static_dims,
     strip_exact_casts,
     times_one_operand,
@@ -363,31 +364,53 @@ def fake_outputs(op, fake_mode, inputs: tuple, scalars: tuple, finals: tuple, ca
 # --- segmented modulation ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Repeats:
+    """The segment ids a ``repeat_interleave`` of rows implies: ``torch.repeat_interleave(repeats,
+    output_size=output_size)`` (a node the rewrite inserts)."""
+
+    repeats: Node
+    output_size: Any
+
+
 @dataclass
 class Segmented:
     """Modulation gathered to the tokens from one row per segment (a pack's samples):
-    ``scale = m_scale[segment_ids]`` (and the shift alike), x [1, T, D] or [T, D].
+    ``scale = m_scale[segment_ids]`` or ``m_scale.repeat_interleave(lengths, dim=0, output_size=T)``
+    (and the shift alike), x [1, T, D] or [T, D].
 
     Attributes:
         scale, shift: the per-segment rows the graph gathers from, [n, D] (shift None if absent).
-        segment_ids: the 1-D integer node both gathers index with, [T].
+        segment_ids: the 1-D integer node both gathers index with, or the :class:`Repeats` both
+            repeat by.
         nodes: the gathers and their views, which die with the chain unless used elsewhere.
+        ids_val: the fake value of the segment ids (set by the check).
     """
 
     scale: Node
     shift: Optional[Node]
-    segment_ids: Node
+    segment_ids: Any
     nodes: list[Node]
+    ids_val: Any = None
 
 
-def _gathered(mod: Node, x_dims: list) -> Optional[tuple[Node, Node, list[Node]]]:
-    """``(src, ids, nodes)`` when ``mod`` is ``src[ids]`` of x's shape, or such a gather with leading
-    1-dims added (``src[ids][None]``, ``.unsqueeze(0)``) for x [1, T, D]."""
+def _gathered(mod: Node, x_dims: list) -> Optional[tuple[Node, Any, list[Node]]]:
+    """``(src, ids, nodes)`` when ``mod`` is ``src[ids]`` (ids a node) or a ``repeat_interleave`` of
+    src's rows (ids a :class:`Repeats`) of x's shape, or such a gather with leading 1-dims added
+    (``src[ids][None]``, ``.unsqueeze(0)``) for x [1, T, D]."""
+
+    def rows(node: Any) -> Optional[tuple[Node, Any]]:
+        found = row_gather(node)
+        if found is not None:
+            return found
+        repeated = row_repeat(node)
+        return None if repeated is None else (repeated[0], Repeats(*repeated[1:]))
+
     nodes, gather = [], mod
-    found = row_gather(gather)
+    found = rows(gather)
     if found is None:
         gather = view_source(mod)
-        found = row_gather(gather)
+        found = rows(gather)
         if found is None:
             return None
         nodes.append(mod)
@@ -400,9 +423,10 @@ def _gathered(mod: Node, x_dims: list) -> Optional[tuple[Node, Node, list[Node]]
 
 def segmented_modulation(chain: Chain, x_dims: list) -> Optional[Segmented]:
     """The chain's scale and shift as per-segment rows, when both are gathers by one segment_ids
-    node (:func:`~adaptiveload.fxfuse.nodes.row_gather`) from tensors of the same number of rows,
-    to x's shape ``x_dims`` (x [1, T, D] or [T, D]); None otherwise (then the gathered tensors are
-    per-token modulation)."""
+    node (:func:`~adaptiveload.fxfuse.nodes.row_gather`) or repeats by one counts node with one
+    output size (:func:`~adaptiveload.fxfuse.nodes.row_repeat`) from tensors of the same number of
+    rows, to x's shape ``x_dims`` (x [1, T, D] or [T, D]); None otherwise (then the gathered tensors
+    are per-token modulation)."""
     if chain.scale is None or chain.scale_view is not None:
         return None
     scale = _gathered(chain.scale, x_dims)
@@ -410,11 +434,41 @@ def segmented_modulation(chain: Chain, x_dims: list) -> Optional[Segmented]:
         return None
     shift = None if chain.shift is None else _gathered(chain.shift, x_dims)
     if chain.shift is not None:
-        rows = [static_dims(fake_value(g[0]).shape)[0] for g in (scale, shift) if g is not None]
-        if shift is None or shift[1] is not scale[1] or rows[0] != rows[1]:
+        if shift is None or not _same_ids(shift[1], scale[1]):
+            return None
+        if static_dims(fake_value(shift[0]).shape)[0] != static_dims(fake_value(scale[0]).shape)[0]:
             return None
     return Segmented(scale[0], None if shift is None else shift[0], scale[1],
                      [*scale[2], *([] if shift is None else shift[2])])
+
+
+def _same_ids(a: Any, b: Any) -> bool:
+    if isinstance(a, Repeats) and isinstance(b, Repeats):
+        return a.repeats is b.repeats and (a.output_size is b.output_size or a.output_size == b.output_size)
+    return a is b
+
+
+def _segment_ids_value(seg: Segmented, fake_mode) -> Any:
+    """The fake value of the segment ids: the gathers' index, or what the repeats imply."""
+    if not isinstance(seg.segment_ids, Repeats):
+        return fake_value(seg.segment_ids)
+    size = seg.segment_ids.output_size
+    if isinstance(size, Node):
+        size = size.meta.get("val", size.meta.get("example_value"))
+    with fake_mode:
+        return torch.repeat_interleave(fake_value(seg.segment_ids.repeats), output_size=size)
+
+
+def _segment_ids_node(graph: torch.fx.Graph, seg: Segmented, replaced: dict[Node, Node]) -> Node:
+    """The graph node of the segment ids at the insertion point (inserted for repeats)."""
+    if not isinstance(seg.segment_ids, Repeats):
+        return graph_value(seg.segment_ids, replaced)
+    node = graph.call_function(torch.repeat_interleave, (graph_value(seg.segment_ids.repeats, replaced),),
+                               {"output_size": seg.segment_ids.output_size})
+    for key in _META_KEYS:
+        if key in seg.segment_ids.repeats.meta:
+            node.meta[key] = seg.ids_val
+    return node
 
 
 # --- the pattern of one norm→modulate op ---------------------------------------------------------
@@ -492,8 +546,9 @@ class NormModulatePattern:
         seg = segmented_modulation(chain, static_dims(values.x.shape))
         if seg is None:
             return False
+        seg.ids_val = _segment_ids_value(seg, values.fake_mode)
         inputs = (*self.tensor_args(values.x, values.weight, values.bias, fake_value(seg.scale),
-                                    fake_value(seg.shift)), fake_value(seg.segment_ids))
+                                    fake_value(seg.shift)), seg.ids_val)
         try:
             verdict.fake_outputs = fake_outputs(self.segmented_op, values.fake_mode, inputs,
                                                 (verdict.eps, values.final.dtype), (values.final,), fake_cache)
@@ -598,7 +653,7 @@ class NormModulatePattern:
             if seg is not None:
                 op = self.segmented_op
                 tensors = (*self.tensor_args(x, weight, bias, graph_value(seg.scale, replaced),
-                                             graph_value(seg.shift, replaced)), graph_value(seg.segment_ids, replaced))
+                                             graph_value(seg.shift, replaced)), _segment_ids_node(graph, seg, replaced))
             args = (*tensors, verdict.eps, fake_value(final).dtype)
             (out,) = call_fused(graph, op, args, verdict.fake_outputs, (final,), replaced)
         dead = [*chain.nodes, *chain.leftovers, site.output, *site.node.users, site.node, *site.internal,

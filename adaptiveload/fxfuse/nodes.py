@@ -167,6 +167,32 @@ def row_gather(node: Any) -> Optional[tuple[Node, Node]]:
     return src, index
 
 
+_REPEAT_INTERLEAVE = {torch.repeat_interleave, aten.repeat_interleave.self_Tensor}
+
+
+def row_repeat(node: Any) -> Optional[tuple[Node, Node, Any]]:
+    """``(src, repeats, output_size)`` when ``node`` repeats each row of a 2-D tensor by a 1-D
+    integer tensor of counts with the output size given: ``src.repeat_interleave(repeats, dim=0,
+    output_size=T)``, ``torch.repeat_interleave(src, repeats, dim=0, output_size=T)`` (the gather
+    ``src[torch.repeat_interleave(repeats, output_size=T)]``); None otherwise (no output_size, whose
+    size Dynamo cannot know, another dim, scalar repeats)."""
+    if not isinstance(node, Node) or not (
+            (node.op == "call_function" and node.target in _REPEAT_INTERLEAVE)
+            or (node.op == "call_method" and node.target == "repeat_interleave")):
+        return None
+    names = ("input", "repeats", "dim", "output_size")
+    bound = {**dict(zip(names, node.args)), **node.kwargs}
+    if set(bound) - set(names) or bound.get("dim") not in (0, -2) or bound.get("output_size") is None:
+        return None
+    src, repeats = bound.get("input"), bound.get("repeats")
+    src_val, rep_val = fake_value(src), fake_value(repeats)
+    if src_val is None or rep_val is None or src_val.dim() != 2 or not is_floating(src_val):
+        return None
+    if rep_val.dim() != 1 or rep_val.dtype not in _INTEGER_INDEX:
+        return None
+    return src, repeats, bound["output_size"]
+
+
 def times_one_operand(node: Any) -> Optional[Node]:
     """``x`` when ``node`` computes ``x * 1`` (what decomposing ``addcmul``'s ``value=1`` leaves)."""
     return _operand_beside_one(node, "mul")

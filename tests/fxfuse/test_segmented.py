@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from adaptiveload.fxfuse import fuse_adaln
+from adaptiveload.fxfuse.nodes import row_repeat
 
 D, N_SEG = 16, 3
 SEGMENTED = {torch.ops.adaptiveload.adaln_modulate_segmented.default,
@@ -79,6 +80,17 @@ def _rms_int32_ids(ids):
     return fn
 
 
+def _repeat_interleave(ids):
+    lengths = torch.bincount(ids)  # sample i: lengths[i] consecutive rows, T in all
+
+    def fn(x, m, w):  # the method form and the function form, output_size given
+        T = x.shape[1]
+        scale = m[:, 1].repeat_interleave(lengths, dim=0, output_size=T)[None]
+        shift = torch.repeat_interleave(m[:, 0], lengths, dim=0, output_size=T).unsqueeze(0)
+        return F.layer_norm(x, (D,), w, None, 1e-6) * (1 + scale) + shift
+    return fn
+
+
 FORMS = {  # name: (chain builder, x two-dim, expected layout)
     "wan_block": (_wan_block_chain, False, "segmented"),
     "unsqueeze_with_affine": (_unsqueeze, False, "segmented"),
@@ -86,6 +98,7 @@ FORMS = {  # name: (chain builder, x two-dim, expected layout)
     "two_dim_x": (_two_dim, True, "segmented"),
     "rms_scale_only": (_rms_scale_only, False, "segmented, no shift"),
     "rms_addcmul_int32_ids": (_rms_int32_ids, False, "segmented"),
+    "repeat_interleave_output_size": (_repeat_interleave, False, "segmented"),
 }
 
 
@@ -94,10 +107,12 @@ def _count(gm, targets):
 
 
 def _gathers_left(gm):
+    """Gathers of modulation rows left in the graph (the segment ids the rewrite computes from
+    repeat counts, ``torch.repeat_interleave(lengths, output_size=T)``, gather nothing)."""
     return sum(1 for n in gm.graph.nodes
                if (n.op == "call_function" and (n.target in GATHERS or (
                    n.target.__name__ == "getitem" and isinstance(n.args[1], torch.fx.Node))))
-               or (n.op == "call_method" and n.target == "index_select"))
+               or (n.op == "call_method" and n.target == "index_select") or row_repeat(n) is not None)
 
 
 def _grads(fn, inputs, probe_seed=1):
@@ -147,6 +162,17 @@ def _shift_not_gathered(ids):
     return fn
 
 
+def _repeats_of_two_lengths(ids):
+    lengths = torch.bincount(ids)
+    other = lengths.flip(0)
+
+    def fn(x, m, w):  # scale and shift repeated by two different count tensors
+        T = x.shape[1]
+        return (F.layer_norm(x, (D,), eps=1e-6) * (1 + m[:, 1].repeat_interleave(lengths, dim=0, output_size=T)[None])
+                + m[:, 0].repeat_interleave(other, dim=0, output_size=T)[None])
+    return fn
+
+
 def _gather_along_features(ids):
     cols = torch.arange(D).flip(0)
 
@@ -160,6 +186,7 @@ PER_TOKEN = {  # name: (chain builder, expected layout of the plain op)
     "different_segment_ids": (_different_ids, "per-token"),
     "shift_not_gathered": (_shift_not_gathered, "scale per-token, shift per-sample"),  # [D] over x [1, T, D]
     "gather_along_features": (_gather_along_features, "per-token, no shift"),
+    "repeats_of_two_lengths": (_repeats_of_two_lengths, "per-token"),
 }
 
 
