@@ -51,6 +51,7 @@ from adaptiveload.fxfuse.nodes import (
     device_of,
     fake_value,
     is_floating,
+    last_dim_piece,
     narrows,
     norm_site,
     one_plus_operand,
@@ -373,52 +374,83 @@ class Repeats:
     output_size: Any
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Piece ``index`` of ``rows.chunk(chunks, dim=-1)``: the per-segment rows of one modulation
+    tensor when the graph gathered all of them before splitting (``m[ids].chunk(6, -1)[i]``); the
+    rewrite inserts the chunk of the [n, chunks * D] rows (a strided view, no copy)."""
+
+    rows: Node
+    chunks: int
+    index: int
+
+
 @dataclass
 class Segmented:
     """Modulation gathered to the tokens from one row per segment (a pack's samples):
     ``scale = m_scale[segment_ids]`` or ``m_scale.repeat_interleave(lengths, dim=0, output_size=T)``
-    (and the shift alike), x [1, T, D] or [T, D].
+    (and the shift alike; also a piece of such a gather split along features), x [1, T, D] or [T, D].
 
     Attributes:
-        scale, shift: the per-segment rows the graph gathers from, [n, D] (shift None if absent).
+        scale, shift: the per-segment rows the graph gathers from, [n, D] (shift None if absent):
+            a node, or a :class:`Piece` of one.
         segment_ids: the 1-D integer node both gathers index with, or the :class:`Repeats` both
             repeat by.
-        nodes: the gathers and their views, which die with the chain unless used elsewhere.
-        ids_val: the fake value of the segment ids (set by the check).
+        nodes: the gathers, splits and views, which die with the chain unless used elsewhere.
+        ids_val, values: the fake values of the segment ids and of scale and shift (set by the check).
     """
 
-    scale: Node
-    shift: Optional[Node]
+    scale: Any
+    shift: Any
     segment_ids: Any
     nodes: list[Node]
     ids_val: Any = None
+    values: Any = None
 
 
-def _gathered(mod: Node, x_dims: list) -> Optional[tuple[Node, Any, list[Node]]]:
-    """``(src, ids, nodes)`` when ``mod`` is ``src[ids]`` (ids a node) or a ``repeat_interleave`` of
-    src's rows (ids a :class:`Repeats`) of x's shape, or such a gather with leading 1-dims added
-    (``src[ids][None]``, ``.unsqueeze(0)``) for x [1, T, D]."""
+def _rows_of(node: Any) -> Optional[tuple[Node, Any]]:
+    """``(src, ids)`` of a gather (ids a node) or a row repeat (ids a :class:`Repeats`) of src."""
+    found = row_gather(node)
+    if found is not None:
+        return found
+    repeated = row_repeat(node)
+    return None if repeated is None else (repeated[0], Repeats(*repeated[1:]))
 
-    def rows(node: Any) -> Optional[tuple[Node, Any]]:
-        found = row_gather(node)
-        if found is not None:
-            return found
-        repeated = row_repeat(node)
-        return None if repeated is None else (repeated[0], Repeats(*repeated[1:]))
 
-    nodes, gather = [], mod
-    found = rows(gather)
-    if found is None:
-        gather = view_source(mod)
-        found = rows(gather)
-        if found is None:
-            return None
-        nodes.append(mod)
-    nodes.append(gather)
-    gather_dims = static_dims(fake_value(gather).shape)
-    if x_dims[-2:] != gather_dims or any(d != 1 for d in x_dims[:-2]):
+def _gathered(mod: Node, x_dims: list) -> Optional[tuple[Any, Any, list[Node]]]:
+    """``(src, ids, nodes)`` when ``mod`` (as the chain reads it, of x's shape) is ``src[ids]`` or a
+    ``repeat_interleave`` of src's rows, with leading 1-dims added or not (``[None]``,
+    ``.unsqueeze(0)``) for x [1, T, D], or a piece of such a gather split along the features
+    (``m[ids].chunk(k, -1)[i]``, src then a :class:`Piece`)."""
+    nodes, node, piece = [mod], mod, None
+    found = _rows_of(node)
+    while found is None:  # views (leading 1-dims) and at most one split, back to the gather
+        split = last_dim_piece(node) if piece is None else None
+        if split is not None:
+            piece = split
+            nodes.append(node.args[0])  # the chunk call
+            node = split[0]
+        else:
+            node = view_source(node)
+            if node is None:
+                return None
+        nodes.append(node)
+        found = _rows_of(node)
+    gather_dims = static_dims(fake_value(node).shape)
+    if piece is not None:
+        gather_dims[-1] //= piece[1]
+        found = (Piece(found[0], piece[1], piece[2]), found[1])
+    mod_dims = static_dims(fake_value(mod).shape)
+    while len(mod_dims) > 2 and mod_dims[0] == 1:
+        mod_dims = mod_dims[1:]
+    # the gather and what the chain reads both one row per token, as x (x [1, T, D] or [T, D])
+    if not (x_dims[-2:] == gather_dims == mod_dims) or any(d != 1 for d in x_dims[:-2]):
         return None
     return (*found, nodes)
+
+
+def _row_count(src: Any) -> Any:
+    return static_dims(fake_value(src.rows if isinstance(src, Piece) else src).shape)[0]
 
 
 def segmented_modulation(chain: Chain, x_dims: list) -> Optional[Segmented]:
@@ -434,9 +466,7 @@ def segmented_modulation(chain: Chain, x_dims: list) -> Optional[Segmented]:
         return None
     shift = None if chain.shift is None else _gathered(chain.shift, x_dims)
     if chain.shift is not None:
-        if shift is None or not _same_ids(shift[1], scale[1]):
-            return None
-        if static_dims(fake_value(shift[0]).shape)[0] != static_dims(fake_value(scale[0]).shape)[0]:
+        if shift is None or not _same_ids(shift[1], scale[1]) or _row_count(shift[0]) != _row_count(scale[0]):
             return None
     return Segmented(scale[0], None if shift is None else shift[0], scale[1],
                      [*scale[2], *([] if shift is None else shift[2])])
@@ -446,6 +476,25 @@ def _same_ids(a: Any, b: Any) -> bool:
     if isinstance(a, Repeats) and isinstance(b, Repeats):
         return a.repeats is b.repeats and (a.output_size is b.output_size or a.output_size == b.output_size)
     return a is b
+
+
+def _source_value(src: Any, fake_mode) -> Any:
+    """The fake value of per-segment rows: the node's, or its :class:`Piece`."""
+    if not isinstance(src, Piece):
+        return fake_value(src)
+    with fake_mode:
+        return fake_value(src.rows).chunk(src.chunks, dim=-1)[src.index]
+
+
+def _source_node(graph: torch.fx.Graph, src: Any, value: Any, replaced: dict[Node, Node]) -> Any:
+    """The graph node of per-segment rows at the insertion point (a chunk and its piece inserted
+    for a :class:`Piece`, with fake value ``value``)."""
+    if not isinstance(src, Piece):
+        return graph_value(src, replaced)
+    split = graph.call_method("chunk", (graph_value(src.rows, replaced), src.chunks), {"dim": -1})
+    node = graph.call_function(operator.getitem, (split, src.index))
+    _copy_fake_keys(src.rows, node, value)
+    return node
 
 
 def _segment_ids_value(seg: Segmented, fake_mode) -> Any:
@@ -465,10 +514,15 @@ def _segment_ids_node(graph: torch.fx.Graph, seg: Segmented, replaced: dict[Node
         return graph_value(seg.segment_ids, replaced)
     node = graph.call_function(torch.repeat_interleave, (graph_value(seg.segment_ids.repeats, replaced),),
                                {"output_size": seg.segment_ids.output_size})
-    for key in _META_KEYS:
-        if key in seg.segment_ids.repeats.meta:
-            node.meta[key] = seg.ids_val
+    _copy_fake_keys(seg.segment_ids.repeats, node, seg.ids_val)
     return node
+
+
+def _copy_fake_keys(like: Node, node: Node, value: Any) -> None:
+    """``value`` as ``node``'s fake value, under the metadata keys ``like`` uses."""
+    for key in _META_KEYS:
+        if key in like.meta:
+            node.meta[key] = value
 
 
 # --- the pattern of one norm→modulate op ---------------------------------------------------------
@@ -547,8 +601,8 @@ class NormModulatePattern:
         if seg is None:
             return False
         seg.ids_val = _segment_ids_value(seg, values.fake_mode)
-        inputs = (*self.tensor_args(values.x, values.weight, values.bias, fake_value(seg.scale),
-                                    fake_value(seg.shift)), seg.ids_val)
+        seg.values = [None if src is None else _source_value(src, values.fake_mode) for src in (seg.scale, seg.shift)]
+        inputs = (*self.tensor_args(values.x, values.weight, values.bias, *seg.values), seg.ids_val)
         try:
             verdict.fake_outputs = fake_outputs(self.segmented_op, values.fake_mode, inputs,
                                                 (verdict.eps, values.final.dtype), (values.final,), fake_cache)
@@ -652,8 +706,9 @@ class NormModulatePattern:
             op, tensors = self.op, self.tensor_args(x, weight, bias, scale, shift)
             if seg is not None:
                 op = self.segmented_op
-                tensors = (*self.tensor_args(x, weight, bias, graph_value(seg.scale, replaced),
-                                             graph_value(seg.shift, replaced)), _segment_ids_node(graph, seg, replaced))
+                rows = [None if src is None else _source_node(graph, src, val, replaced)
+                        for src, val in zip((seg.scale, seg.shift), seg.values)]
+                tensors = (*self.tensor_args(x, weight, bias, *rows), _segment_ids_node(graph, seg, replaced))
             args = (*tensors, verdict.eps, fake_value(final).dtype)
             (out,) = call_fused(graph, op, args, verdict.fake_outputs, (final,), replaced)
         dead = [*chain.nodes, *chain.leftovers, site.output, *site.node.users, site.node, *site.internal,

@@ -193,6 +193,29 @@ def row_repeat(node: Any) -> Optional[tuple[Node, Node, Any]]:
     return src, repeats, bound["output_size"]
 
 
+def last_dim_piece(node: Any) -> Optional[tuple[Node, int, int]]:
+    """``(t, chunks, index)`` when ``node`` is piece ``index`` of ``t.chunk(chunks, dim=-1)`` (method,
+    ``torch.chunk`` or ``aten.chunk``; the dim may be written as t's last index), t's last dim a
+    multiple of ``chunks``; None otherwise."""
+    if not (isinstance(node, Node) and node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[1], int)):
+        return None
+    split = node.args[0]
+    if not isinstance(split, Node) or not (
+            (split.op == "call_method" and split.target == "chunk")
+            or (split.op == "call_function" and split.target in (torch.chunk, aten.chunk.default))):
+        return None
+    bound = {**dict(zip(("input", "chunks", "dim"), split.args)), **split.kwargs}
+    t, chunks = bound.get("input"), bound.get("chunks")
+    t_val = fake_value(t)
+    if t_val is None or not isinstance(chunks, int) or chunks < 1 or set(bound) - {"input", "chunks", "dim"}:
+        return None
+    last = t_val.dim() - 1
+    if bound.get("dim", 0) not in (-1, last) or not isinstance(t_val.shape[-1], int) or t_val.shape[-1] % chunks:
+        return None
+    return t, chunks, node.args[1]
+
+
 def times_one_operand(node: Any) -> Optional[Node]:
     """``x`` when ``node`` computes ``x * 1`` (what decomposing ``addcmul``'s ``value=1`` leaves)."""
     return _operand_beside_one(node, "mul")

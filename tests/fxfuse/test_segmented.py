@@ -91,6 +91,20 @@ def _repeat_interleave(ids):
     return fn
 
 
+def _gathered_then_chunked(ids):
+    def fn(x, m, w):  # the whole [n, 6 D] modulation gathered to the tokens, then split
+        shift, scale, *_ = m.flatten(1)[ids].chunk(6, dim=-1)
+        return F.layer_norm(x, (D,), eps=1e-6) * (1 + scale[None]) + shift[None]
+    return fn
+
+
+def _gathered_viewed_then_chunked(ids):
+    def fn(x, m, w):
+        shift, scale, *_ = m.flatten(1)[ids][None].chunk(6, dim=2)
+        return F.rms_norm(x, (D,), w, 1e-6) * (1 + scale) + shift
+    return fn
+
+
 FORMS = {  # name: (chain builder, x two-dim, expected layout)
     "wan_block": (_wan_block_chain, False, "segmented"),
     "unsqueeze_with_affine": (_unsqueeze, False, "segmented"),
@@ -99,6 +113,8 @@ FORMS = {  # name: (chain builder, x two-dim, expected layout)
     "rms_scale_only": (_rms_scale_only, False, "segmented, no shift"),
     "rms_addcmul_int32_ids": (_rms_int32_ids, False, "segmented"),
     "repeat_interleave_output_size": (_repeat_interleave, False, "segmented"),
+    "gathered_then_chunked": (_gathered_then_chunked, False, "segmented"),
+    "gathered_viewed_then_chunked_rms": (_gathered_viewed_then_chunked, False, "segmented"),
 }
 
 
@@ -182,11 +198,19 @@ def _gather_along_features(ids):
     return fn
 
 
+def _gathered_then_one_row(ids):
+    def fn(x, m, w):  # a gather, then one of its rows for every token: not a per-token modulation
+        scale = m[:, 1][ids][None][:, :1]
+        return F.layer_norm(x, (D,), eps=1e-6) * (1 + scale)
+    return fn
+
+
 PER_TOKEN = {  # name: (chain builder, expected layout of the plain op)
     "different_segment_ids": (_different_ids, "per-token"),
     "shift_not_gathered": (_shift_not_gathered, "scale per-token, shift per-sample"),  # [D] over x [1, T, D]
     "gather_along_features": (_gather_along_features, "per-token, no shift"),
     "repeats_of_two_lengths": (_repeats_of_two_lengths, "per-token"),
+    "gathered_then_one_row": (_gathered_then_one_row, "per-sample, no shift"),
 }
 
 
