@@ -5,7 +5,8 @@
     register_pattern("my_op", match=my_match, check=my_check, replace=my_replace)
 
 The pass (:func:`adaptiveload.fxfuse.fuse_adaln`) visits every node of every graph; on each it tries
-the registered patterns in registration order, and the first whose ``match`` returns a non-empty
+the registered patterns in order -- the built-in ones first, in the order of ``BUILTIN_MODULES``
+whichever of their modules was imported first, then the others in registration order -- and the first whose ``match`` returns a non-empty
 :class:`Match` claims the node -- unless the pattern was registered with ``falls_through=True`` and
 rejects the match (its reason, or a candidate's check): then the node goes on to the next patterns,
 and the rejection is recorded in the report's ``deferred`` list (a more specific pattern ahead of a
@@ -42,7 +43,9 @@ Counters: the pass adds its totals to ``torch._dynamo.utils.counters["adaptivelo
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -79,6 +82,7 @@ class Pattern:
     check: Callable[[Any, dict], Any]
     replace: Callable[[GraphModule, Any, Any, dict], Node]
     falls_through: bool = False
+    rank: int = len(BUILTIN_MODULES)  # the index of its built-in module in BUILTIN_MODULES; others after
 
 
 _patterns: dict[str, Pattern] = {}
@@ -114,12 +118,16 @@ def register_pattern(name: str, match: Callable, check: Callable, replace: Calla
     for what, fn in (("match", match), ("check", check), ("replace", replace)):
         if not callable(fn):
             raise TypeError(f"register_pattern({name!r}): {what} must be callable, got {type(fn).__name__}")
-    pattern = Pattern(name, match, check, replace, bool(falls_through))
+    caller = sys._getframe(1).f_globals.get("__name__")  # a built-in pattern module ranks by its place
+    pattern = Pattern(name, match, check, replace, bool(falls_through),
+                      BUILTIN_MODULES.index(caller) if caller in BUILTIN_MODULES else len(BUILTIN_MODULES))
     _load_builtins()
     with _lock:
         if name in _patterns and not replace_existing:
             raise ValueError(f"register_pattern: a pattern named {name!r} is already registered "
                              "(pass replace_existing=True to replace it)")
+        if name in _patterns:  # its place in the order stays
+            pattern = dataclasses.replace(pattern, rank=_patterns[name].rank)
         _patterns[name] = pattern
     return pattern
 
@@ -155,7 +163,8 @@ def _load_builtins() -> None:
 
 def patterns() -> tuple[Pattern, ...]:
     """The registered patterns, in the order the pass tries them (the built-in ones first, imported
-    on the first call)."""
+    on the first call, in ``BUILTIN_MODULES`` order even when a user imported one of their modules
+    first: a module imported during another's import registers after it)."""
     _load_builtins()
     with _lock:
-        return tuple(_patterns.values())
+        return tuple(sorted(_patterns.values(), key=lambda p: p.rank))  # stable: registration order within a rank
