@@ -389,23 +389,34 @@ class Piece:
 class Segmented:
     """Modulation gathered to the tokens from one row per segment (a pack's samples):
     ``scale = m_scale[segment_ids]`` or ``m_scale.repeat_interleave(lengths, dim=0, output_size=T)``
-    (and the shift alike; also a piece of such a gather split along features), x [1, T, D] or [T, D].
+    (and the shift, a residual's gate alike; also a piece of such a gather split along features),
+    x [1, T, D] or [T, D].
 
     Attributes:
-        scale, shift: the per-segment rows the graph gathers from, [n, D] (shift None if absent):
-            a node, or a :class:`Piece` of one.
-        segment_ids: the 1-D integer node both gathers index with, or the :class:`Repeats` both
+        rows: the per-segment rows [n, D] each present modulation tensor ("gate", "scale", "shift")
+            is gathered from: a node, or a :class:`Piece` of one.
+        segment_ids: the 1-D integer node the gathers index with, or the :class:`Repeats` they
             repeat by.
         nodes: the gathers, splits and views, which die with the chain unless used elsewhere.
-        ids_val, values: the fake values of the segment ids and of scale and shift (set by the check).
+        ids_val, values: the fake values of the segment ids and of the rows, by name (set by the check).
     """
 
-    scale: Any
-    shift: Any
+    rows: dict
     segment_ids: Any
     nodes: list[Node]
     ids_val: Any = None
-    values: Any = None
+    values: dict = field(default_factory=dict)
+
+    def plan(self, fake_mode) -> None:
+        """Set :attr:`ids_val` and :attr:`values`."""
+        self.ids_val = _segment_ids_value(self, fake_mode)
+        self.values = {name: _source_value(src, fake_mode) for name, src in self.rows.items()}
+
+    def graph_nodes(self, graph: torch.fx.Graph, replaced: dict[Node, Node]) -> tuple[dict, Node]:
+        """``(rows by name, segment ids)`` as graph nodes at the insertion point (inserting the
+        chunk pieces and the ids of repeats)."""
+        rows = {name: _source_node(graph, src, self.values[name], replaced) for name, src in self.rows.items()}
+        return rows, _segment_ids_node(graph, self, replaced)
 
 
 def _rows_of(node: Any) -> Optional[tuple[Node, Any]]:
@@ -453,23 +464,27 @@ def _row_count(src: Any) -> Any:
     return static_dims(fake_value(src.rows if isinstance(src, Piece) else src).shape)[0]
 
 
+def segmented_rows(mods: dict, x_dims: list) -> Optional[Segmented]:
+    """The modulation tensors ``mods`` (name -> node or None) as per-segment rows, when every given
+    one is a gather by one segment_ids node (:func:`~adaptiveload.fxfuse.nodes.row_gather`) or a
+    repeat by one counts node with one output size (:func:`~adaptiveload.fxfuse.nodes.row_repeat`),
+    to x's shape ``x_dims`` (x [1, T, D] or [T, D]), from tensors of one number of rows; None
+    otherwise (then the gathered tensors are per-token modulation), and None when none is given."""
+    found = {name: _gathered(mod, x_dims) for name, mod in mods.items() if mod is not None}
+    if not found or any(f is None for f in found.values()):
+        return None
+    first = next(iter(found.values()))
+    if any(not _same_ids(f[1], first[1]) or _row_count(f[0]) != _row_count(first[0]) for f in found.values()):
+        return None
+    return Segmented({name: f[0] for name, f in found.items()}, first[1], [n for f in found.values() for n in f[2]])
+
+
 def segmented_modulation(chain: Chain, x_dims: list) -> Optional[Segmented]:
-    """The chain's scale and shift as per-segment rows, when both are gathers by one segment_ids
-    node (:func:`~adaptiveload.fxfuse.nodes.row_gather`) or repeats by one counts node with one
-    output size (:func:`~adaptiveload.fxfuse.nodes.row_repeat`) from tensors of the same number of
-    rows, to x's shape ``x_dims`` (x [1, T, D] or [T, D]); None otherwise (then the gathered tensors
-    are per-token modulation)."""
+    """:func:`segmented_rows` of the chain's scale and shift (None for a chain without scale or with
+    a ``(1 + scale)[:, None]`` view)."""
     if chain.scale is None or chain.scale_view is not None:
         return None
-    scale = _gathered(chain.scale, x_dims)
-    if scale is None:
-        return None
-    shift = None if chain.shift is None else _gathered(chain.shift, x_dims)
-    if chain.shift is not None:
-        if shift is None or not _same_ids(shift[1], scale[1]) or _row_count(shift[0]) != _row_count(scale[0]):
-            return None
-    return Segmented(scale[0], None if shift is None else shift[0], scale[1],
-                     [*scale[2], *([] if shift is None else shift[2])])
+    return segmented_rows({"scale": chain.scale, "shift": chain.shift}, x_dims)
 
 
 def _same_ids(a: Any, b: Any) -> bool:
@@ -600,16 +615,16 @@ class NormModulatePattern:
         seg = segmented_modulation(chain, static_dims(values.x.shape))
         if seg is None:
             return False
-        seg.ids_val = _segment_ids_value(seg, values.fake_mode)
-        seg.values = [None if src is None else _source_value(src, values.fake_mode) for src in (seg.scale, seg.shift)]
-        inputs = (*self.tensor_args(values.x, values.weight, values.bias, *seg.values), seg.ids_val)
+        seg.plan(values.fake_mode)
+        inputs = (*self.tensor_args(values.x, values.weight, values.bias, seg.values["scale"],
+                                    seg.values.get("shift")), seg.ids_val)
         try:
             verdict.fake_outputs = fake_outputs(self.segmented_op, values.fake_mode, inputs,
                                                 (verdict.eps, values.final.dtype), (values.final,), fake_cache)
         except (ValueError, RuntimeError):
             return False
         verdict.segmented = seg
-        verdict.layout = "segmented" if seg.shift is not None else "segmented, no shift"
+        verdict.layout = "segmented" if "shift" in seg.rows else "segmented, no shift"
         return True
 
     def check_chain(self, chain: Chain) -> tuple[Verdict, Optional["ChainValues"]]:
@@ -706,9 +721,8 @@ class NormModulatePattern:
             op, tensors = self.op, self.tensor_args(x, weight, bias, scale, shift)
             if seg is not None:
                 op = self.segmented_op
-                rows = [None if src is None else _source_node(graph, src, val, replaced)
-                        for src, val in zip((seg.scale, seg.shift), seg.values)]
-                tensors = (*self.tensor_args(x, weight, bias, *rows), _segment_ids_node(graph, seg, replaced))
+                rows, ids = seg.graph_nodes(graph, replaced)
+                tensors = (*self.tensor_args(x, weight, bias, rows["scale"], rows.get("shift")), ids)
             args = (*tensors, verdict.eps, fake_value(final).dtype)
             (out,) = call_fused(graph, op, args, verdict.fake_outputs, (final,), replaced)
         dead = [*chain.nodes, *chain.leftovers, site.output, *site.node.users, site.node, *site.internal,

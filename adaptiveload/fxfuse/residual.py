@@ -49,7 +49,7 @@ from torch.fx import GraphModule, Node
 
 from adaptiveload.fxfuse.modulate import (NO_METADATA, Chain, ChainValues, NormModulatePattern, Verdict, call_fused,
                                           describe_fake, erase_unused, fake_outputs, graph_value, norm_operands,
-                                          plain_norm_chain, site_chains)
+                                          plain_norm_chain, segmented_rows, site_chains)
 from adaptiveload.fxfuse.nodes import (NormSite, binary_operands, cast_source, computed_from, device_of, fake_value,
                                        is_floating, narrows, norm_site, static_dims, strip_exact_casts)
 from adaptiveload.fxfuse.registry import Match
@@ -271,7 +271,34 @@ class ResidualNormPattern(NormModulatePattern):
                                                 fake_cache)
         except (ValueError, RuntimeError) as err:
             verdict.reason = f"the fused op rejects the inputs: {err}"
+            return verdict
+        self._check_segmented_site(site, verdict, values, inputs, scalars, fake_cache)
         return verdict
+
+    def _check_segmented_site(self, site: ResidualSite, verdict: Verdict, values: ChainValues, inputs: tuple,
+                              scalars: tuple, fake_cache: Optional[dict]) -> None:
+        """Plan the segmented op (``verdict.segmented``, its layout and fake outputs) when the gate,
+        scale and shift present are all gathered to the tokens from per-segment rows by one set of
+        segment ids (:func:`~adaptiveload.fxfuse.modulate.segmented_rows`); else leave the verdict
+        (per-token modulation) as it is."""
+        chain, r_val = site.chain, fake_value(site.prologue.residual)
+        if self.segmented_op is None or chain.scale_view is not None:
+            return
+        seg = segmented_rows({"gate": site.prologue.gate, "scale": chain.scale, "shift": chain.shift},
+                             static_dims(r_val.shape))
+        if seg is None:
+            return
+        seg.plan(values.fake_mode)
+        tensors = (*inputs[:2], seg.values.get("gate"),
+                   *self.norm_args(values.weight, values.bias, seg.values.get("scale"), seg.values.get("shift")),
+                   seg.ids_val)
+        try:
+            outputs = fake_outputs(self.segmented_op, values.fake_mode, tensors, scalars, (r_val, values.final),
+                                   fake_cache)
+        except (ValueError, RuntimeError):
+            return
+        verdict.fake_outputs, verdict.segmented = outputs, seg
+        verdict.layout = f"segmented {', '.join(seg.rows)}"
 
     def norm_args(self, weight, bias, scale, shift) -> tuple:
         """The op's norm and modulation arguments in its order: the bias only if the op takes one."""
@@ -366,15 +393,21 @@ class ResidualNormPattern(NormModulatePattern):
             _, weight, bias, scale, shift = norm_operands(graph, chain, verdict, replaced)
             x, y, gate = (graph_value(w if v._erased and v not in replaced else v, replaced) if v is not None else None
                           for v, w in zip((prologue.x, prologue.y, prologue.gate), prologue.written))
+            op, ids, seg = self.op, (), verdict.segmented
+            if seg is not None:  # the per-segment rows and the ids instead of the gathered tensors
+                rows, segment_ids = seg.graph_nodes(graph, replaced)
+                op, ids = self.segmented_op, (segment_ids,)
+                gate, scale, shift = rows.get("gate"), rows.get("scale"), rows.get("shift")
             late = [n for n in (x, y, gate, weight, bias, scale, shift) if isinstance(n, Node) and not n < point]
             if late:
                 raise RuntimeError(f"{self.name}: `{late[0].name}` is defined after `{point.name}`")
-            args = (x, y, gate, *self.norm_args(weight, bias, scale, shift), verdict.eps,
+            args = (x, y, gate, *self.norm_args(weight, bias, scale, shift), *ids, verdict.eps,
                     fake_value(prologue.residual).dtype, fake_value(chain.final).dtype)
-            _, out = call_fused(graph, self.op, args, verdict.fake_outputs, (prologue.residual, chain.final), replaced)
+            _, out = call_fused(graph, op, args, verdict.fake_outputs, (prologue.residual, chain.final), replaced)
         site_nodes = chain.site
         dead = [*chain.nodes, *chain.leftovers, site_nodes.output, *site_nodes.node.users, site_nodes.node,
-                *site_nodes.internal, *verdict.absorbed, *prologue.nodes, *prologue.absorbed]
+                *site_nodes.internal, *verdict.absorbed, *prologue.nodes, *prologue.absorbed,
+                *(seg.nodes if seg is not None else ())]
         erase_unused(graph, dead)
         return out
 

@@ -9,8 +9,8 @@ each with its schema and registrations, its reference math and its FX pattern; `
 what they share, ``extension.py`` builds the ``csrc/`` kernels, and the private ``_tuning.py`` forces
 the kernels' own launch choices for benchmarks and tests.
 
-The two norm→modulate families also take the segmented layout of packed training
-(``adaln_modulate_segmented``, ``rms_norm_modulate_segmented``): x [..., D] of T rows, modulation
+Every family also takes the segmented layout of packed training
+(``adaln_modulate_segmented``, ``rms_norm_modulate_segmented``, ``residual_*_segmented``): x [..., D] of T rows, modulation
 [n, D] with one row per segment (sample) and ``segment_ids`` [T] naming each row's; the op gathers the
 rows to the tokens itself and keeps no per-token copy for backward (``segmented.py``).
 """
@@ -19,7 +19,9 @@ from adaptiveload.ops.adaln_modulate import (adaln_modulate, adaln_modulate_back
                                              adaln_modulate_segmented_backward)
 from adaptiveload.ops.common import modulation_layout
 from adaptiveload.ops.residual_norm_modulate import (residual_adaln_modulate, residual_adaln_modulate_backward,
-                                                     residual_rms_norm_modulate, residual_rms_norm_modulate_backward)
+                                                     residual_adaln_modulate_segmented, residual_rms_norm_modulate,
+                                                     residual_rms_norm_modulate_backward,
+                                                     residual_rms_norm_modulate_segmented)
 from adaptiveload.ops.rms_norm_modulate import (rms_norm_modulate, rms_norm_modulate_backward,
                                                 rms_norm_modulate_segmented, rms_norm_modulate_segmented_backward)
 
@@ -27,6 +29,7 @@ __all__ = ["adaln_modulate", "adaln_modulate_backward", "rms_norm_modulate", "rm
            "adaln_modulate_segmented", "adaln_modulate_segmented_backward", "rms_norm_modulate_segmented",
            "rms_norm_modulate_segmented_backward",
            "residual_adaln_modulate", "residual_adaln_modulate_backward", "residual_rms_norm_modulate",
-           "residual_rms_norm_modulate_backward", "modulation_layout"]
+           "residual_rms_norm_modulate_backward", "residual_adaln_modulate_segmented",
+           "residual_rms_norm_modulate_segmented", "modulation_layout"]
 
 _tuning.warn_removed_variables()  # once, at import: the variables that used to set the kernels' choices

@@ -33,6 +33,7 @@ Each family's ``op.py`` defines its two schemas (``common.define``) and calls :f
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Optional
 
@@ -214,3 +215,92 @@ def register(lib: torch.library.Library, base: str, params: tuple[str, ...], sta
     torch.library.register_fake(f"adaptiveload::{name}", forward_fake, lib=lib)
     torch.library.register_fake(f"adaptiveload::{name}_backward", backward_fake, lib=lib)
     common.differentiable(lib, name, n_tensors=len(params) + 4)
+
+
+def check_rows(op: str, x: Tensor, mods: dict, segment_ids: Tensor) -> None:
+    """The residual ops' segmented checks: each of ``mods`` (gate, scale, shift; None skipped)
+    floating [n, D] with one n, on x's device; segment_ids 1-D int32/int64 with one id per row of x.
+
+    Raises:
+        ValueError: naming the offending tensor with its shape and dtype (or device).
+    """
+    D, given = x.shape[-1], {name: t for name, t in mods.items() if t is not None}
+    if not given:
+        raise ValueError(f"{op}: none of {', '.join(mods)} is given: nothing to gather by segment_ids "
+                         "(call the op without _segmented)")
+    for name, t in given.items():
+        if t.dtype not in common.FLOATING or t.dim() != 2 or t.shape[1] != D:
+            raise ValueError(f"{op}: {describe(name, t)} must be floating point of shape [n, {D}] (one row per "
+                             f"segment, D the last dim of x)")
+    if segment_ids.dtype not in ID_DTYPES or segment_ids.dim() != 1:
+        raise ValueError(f"{op}: {describe('segment_ids', segment_ids)} must be a 1-D int32 or int64 tensor "
+                         "(the segment of each row of x)")
+    common.check_devices(op, x, {**given, "segment_ids": segment_ids})
+    first, n = next(iter(given)), next(iter(given.values())).shape[0]
+    for name, t in given.items():
+        torch._check_value(t.shape[0] == n, lambda: f"{op}: {describe(name, t)} must have {first}'s {n} rows "
+                           "(one per segment)")
+    T = rows(x)
+    torch._check_value(segment_ids.shape[0] == T, lambda: f"{op}: {describe('segment_ids', segment_ids)} must "
+                       f"have one id per row of x (shape {list(x.shape)}: {T} rows)")
+
+
+def register_residual(lib: torch.library.Library, base: str, params: tuple[str, ...], differentiable) -> None:
+    """Register ``{base}_segmented`` and ``{base}_segmented_backward`` of a residual op (its module
+    doc), whose schemas ``lib`` defines: the base op's arguments with ``Tensor segment_ids`` after
+    shift, and gate, scale and shift each None or [n, D]. The kernels (CompositeExplicitAutograd,
+    fake alike) gather the present ones to the tokens, call the base op, and in backward sum dgate,
+    dscale and dshift over each segment (:func:`segment_sum`); ``differentiable(lib, name,
+    n_norm)`` registers the autograd (the residual module's, which saves r, y, gate, the
+    ``n_norm`` tensors after gate and the statistics).
+
+    Args:
+        lib: the family's library; base: e.g. ``"residual_adaln_modulate"``; params: the norm's
+            affine parameter names, between gate and scale (``("weight", "bias")``).
+    """
+    name = f"{base}_segmented"
+    forward_op = getattr(torch.ops.adaptiveload, base).default
+    backward_op = getattr(torch.ops.adaptiveload, f"{base}_backward").default
+    k = len(params)
+
+    def check_forward(x, gate, scale, shift, segment_ids):
+        check_rows(name, x, {"gate": gate, "scale": scale, "shift": shift}, segment_ids)
+
+    def check_backward(r, gate, scale, shift, segment_ids):
+        check_rows(f"{name}_backward", r, {"gate": gate, "scale": scale, "shift": shift}, segment_ids)
+
+    def forward(x, y, gate, *args, fake=False):
+        *affine, scale, shift, segment_ids, eps, r_dtype, out_dtype = args
+        if fake:
+            check_forward(x, gate, scale, shift, segment_ids)
+        else:
+            common.validate(check_forward, (x, gate, scale, shift, segment_ids))
+            check_ids(name, segment_ids, _segments(gate, scale, shift))
+        return forward_op(x, y, gather(gate, segment_ids, x), *affine, gather(scale, segment_ids, x),
+                          gather(shift, segment_ids, x), eps, r_dtype, out_dtype)
+
+    def backward(dout, dr, r, y, gate, *args, fake=False):
+        affine, (scale, shift, segment_ids), rest = args[:k], args[k:k + 3], args[k + 3:]
+        if fake:
+            check_backward(r, gate, scale, shift, segment_ids)
+        else:
+            common.validate(check_backward, (r, gate, scale, shift, segment_ids))
+            check_ids(f"{name}_backward", segment_ids, _segments(gate, scale, shift))
+        dx, dy, dgate, *dparams, dscale, dshift = backward_op(
+            dout, dr, r, y, gather(gate, segment_ids, r), *affine, gather(scale, segment_ids, r),
+            gather(shift, segment_ids, r), *rest)
+        acc = common.compute_dtype(r, y, gate, *affine, scale, shift)
+        dgate, dscale, dshift = (segment_sum(g, segment_ids, m, acc)
+                                 for g, m in ((dgate, gate), (dscale, scale), (dshift, shift)))
+        return common.grads_or_empty((dx, dy, dgate, *dparams, dscale, dshift, None), r)  # dy: [0] without a gate
+
+    lib.impl(name, forward, "CompositeExplicitAutograd")
+    lib.impl(f"{name}_backward", backward, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"adaptiveload::{name}", functools.partial(forward, fake=True), lib=lib)
+    torch.library.register_fake(f"adaptiveload::{name}_backward", functools.partial(backward, fake=True), lib=lib)
+    differentiable(lib, name, n_norm=k + 3)
+
+
+def _segments(*mods: Optional[Tensor]) -> int:
+    """n, the rows of the first given modulation tensor (:func:`check_rows` requires one)."""
+    return next(t.shape[0] for t in mods if t is not None)

@@ -262,3 +262,32 @@ def test_backend_with_a_dynamic_token_count_compiles_the_segmented_op_once():
             torch.testing.assert_close(g.double(), r, atol=5e-5, rtol=5e-5)
     assert calls == [1, 1, 1]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames <= 2  # static first, then dynamic
+
+
+RESIDUAL_SEGMENTED = torch.ops.adaptiveload.residual_adaln_modulate_segmented.default
+
+
+def test_a_gathered_gate_and_modulation_fold_into_the_segmented_residual_op(capture):
+    """Wan's residual site of a pack (the gate of the branch, then the next norm's scale and shift,
+    all gathered from one row a sample) becomes residual_adaln_modulate_segmented on CPU (its
+    FUSED_DEVICES), r's other reader sees the op's r, and values and gradients match float64."""
+    ids = _segment_ids()
+
+    def fn(x, m, w):
+        shift, scale, gate = [c[:, 0][ids][None] for c in m.chunk(6, dim=1)[:3]]
+        h = x + torch.tanh(x) * gate  # a branch, gated, added to the stream
+        out = (F.layer_norm(h.float(), (D,), eps=1e-6) * (1 + scale) + shift).type_as(h)
+        return out + 0.5 * h  # r read again
+
+    inputs = _inputs()
+    gm, example_inputs = capture(fn, *inputs)
+
+    report = fuse_adaln(gm)
+
+    assert report.fused == 1 and report.chains[0].layout == "segmented gate, scale, shift", report.table()
+    assert _count(gm, {RESIDUAL_SEGMENTED}) == 1 and _gathers_left(gm) == 0, gm.code
+    out, grads = _grads(lambda *a: gm(*example_inputs), inputs)
+    ref_out, ref_grads = _grads(fn, [t.detach().double().requires_grad_() for t in inputs])
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+    for what, g, r in zip(("x", "m"), grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, atol=5e-5, rtol=5e-5, msg=what)

@@ -161,15 +161,19 @@ def test_inductor_compiles_the_graphs_of_an_epoch_in_warm_up():
     torch._dynamo.reset()
 
 
-def test_compiled_blocks_modulate_a_pack_per_segment(monkeypatch):
-    """Where the residual patterns do not apply (CUDA, until their kernels are fast enough: the
-    residual op's FUSED_DEVICES), each block's norm1 and norm3 become adaln_modulate_segmented on the
-    pack's per-sample modulation [n, dim] and segment_ids -- no per-token modulation kept for
-    backward -- and the pack's loss and gradients still equal each sample's alone (float32)."""
+@pytest.mark.parametrize("residual", [True, False])
+def test_compiled_blocks_modulate_a_pack_per_segment(monkeypatch, residual):
+    """Each block's modulation reaches the fused ops as the pack's per-sample rows [n, dim] and
+    segment_ids -- no per-token modulation kept for backward: on CPU, where the residual patterns
+    apply, norm1 as adaln_modulate_segmented and the two residual sites (norm2, norm3) as
+    residual_adaln_modulate_segmented; without them (CUDA, until the residual kernels are fast enough:
+    FUSED_DEVICES), norm1 and norm3 as adaln_modulate_segmented. The pack's loss and gradients still
+    equal each sample's alone (float32)."""
     from adaptiveload.fxfuse import registry
 
-    monkeypatch.setattr(registry, "_patterns", {p.name: p for p in registry.patterns()
-                                                if not p.name.startswith("residual_")})
+    if not residual:
+        monkeypatch.setattr(registry, "_patterns", {p.name: p for p in registry.patterns()
+                                                    if not p.name.startswith("residual_")})
     torch._dynamo.reset()
     shapes = PACKS[2]
     spec, items = _items(shapes)
@@ -182,9 +186,11 @@ def test_compiled_blocks_modulate_a_pack_per_segment(monkeypatch):
     grads = {n: p.grad.clone() for n, p in step.module.named_parameters()}
     names = [e.name for e in prof.events()]
     layers = len(step.module.blocks)
-    assert names.count("adaptiveload::adaln_modulate_segmented") == 2 * layers, sorted(set(names))
-    assert names.count("adaptiveload::adaln_modulate") == 2 * layers  # only inside the segmented op
-    assert names.count("adaptiveload::adaln_modulate_segmented_backward") == 2 * layers
+    plain, folded = (layers, 2 * layers) if residual else (2 * layers, 0)
+    for op, count in (("adaln_modulate", plain), ("residual_adaln_modulate", folded)):
+        assert names.count(f"adaptiveload::{op}_segmented") == count, sorted(set(names))
+        assert names.count(f"adaptiveload::{op}_segmented_backward") == count
+        assert names.count(f"adaptiveload::{op}") == count  # only inside the segmented op
     reference = _step().module
     expected = sum(flow_matching_loss(reference, b.latents, b.context, b.noise, b.sigma).sum()
                    for b in (collate([item], spec.text_len) for item in items))

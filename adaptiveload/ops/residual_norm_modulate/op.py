@@ -67,7 +67,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from adaptiveload.ops import common, extension
+from adaptiveload.ops import common, extension, segmented
 from adaptiveload.ops.residual_norm_modulate import reference
 
 #: Device types on which the FX patterns fold the residual into the norm site. On CPU the reference
@@ -272,6 +272,30 @@ _differentiable(_lib_layer_norm, LAYER_NORM, n_norm=4)
 _lib_rms_norm.impl(RMS_NORM, _residual_rms_norm_modulate_reference, "CompositeExplicitAutograd")
 _lib_rms_norm.impl(f"{RMS_NORM}_backward", _residual_rms_norm_modulate_backward_reference, "CompositeExplicitAutograd")
 _differentiable(_lib_rms_norm, RMS_NORM, n_norm=3)
+
+
+# --- the segmented layout (:mod:`adaptiveload.ops.segmented`): gate/scale/shift [n, D] and segment_ids [T] ---
+
+_segmented_layer_norm = common.define(
+    "residual_adaln_modulate_segmented(Tensor x, Tensor y, Tensor? gate, Tensor? weight, Tensor? bias, "
+    "Tensor? scale, Tensor? shift, Tensor segment_ids, float eps, ScalarType r_dtype, ScalarType out_dtype) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+    "residual_adaln_modulate_segmented_backward(Tensor dout, Tensor? dr, Tensor r, Tensor? y, Tensor? gate, "
+    "Tensor? weight, Tensor? bias, Tensor? scale, Tensor? shift, Tensor segment_ids, Tensor mean, Tensor rstd, "
+    "ScalarType x_dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+_segmented_rms_norm = common.define(
+    "residual_rms_norm_modulate_segmented(Tensor x, Tensor y, Tensor? gate, Tensor? weight, Tensor? scale, "
+    "Tensor? shift, Tensor segment_ids, float eps, ScalarType r_dtype, ScalarType out_dtype) "
+    "-> (Tensor, Tensor, Tensor)",
+    "residual_rms_norm_modulate_segmented_backward(Tensor dout, Tensor? dr, Tensor r, Tensor? y, Tensor? gate, "
+    "Tensor? weight, Tensor? scale, Tensor? shift, Tensor segment_ids, Tensor rstd, ScalarType x_dtype) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+segmented.register_residual(_segmented_layer_norm, LAYER_NORM, ("weight", "bias"), _differentiable)
+segmented.register_residual(_segmented_rms_norm, RMS_NORM, ("weight",), _differentiable)
+residual_adaln_modulate_segmented = torch.ops.adaptiveload.residual_adaln_modulate_segmented
+residual_rms_norm_modulate_segmented = torch.ops.adaptiveload.residual_rms_norm_modulate_segmented
 
 
 # --- CUDA path --------------------------------------------------------------------------------------
