@@ -26,7 +26,8 @@ Check: :meth:`NormModulatePattern.check` returns a :class:`Verdict` whose ``reas
 chain is left alone, or None when the fused op provably computes what the chain computed (shapes,
 dtypes and devices from the graph's fake values; the op's own fake kernel run on them as the last
 word). Modulation gathered to a pack's tokens from one row per sample (``m[segment_ids]``, or
-``m.repeat_interleave(lengths, dim=0, output_size=T)``; :func:`segmented_modulation`) goes to the op's segmented layout, which keeps no per-token copy of it.
+``m.repeat_interleave(lengths, dim=0, output_size=T)``; :func:`segmented_modulation`) goes to the
+op's segmented layout, which keeps no per-token copy of it.
 
 The residual patterns (:mod:`adaptiveload.fxfuse.residual`) match a norm site the same way and reuse
 these pieces: :func:`site_chains` (match), :meth:`NormModulatePattern.check_chain` (the norm and

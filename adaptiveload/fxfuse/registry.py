@@ -6,13 +6,13 @@
 
 The pass (:func:`adaptiveload.fxfuse.fuse_adaln`) visits every node of every graph; on each it tries
 the registered patterns in order -- the built-in ones first, in the order of ``BUILTIN_MODULES``
-whichever of their modules was imported first, then the others in registration order -- and the first whose ``match`` returns a non-empty
-:class:`Match` claims the node -- unless the pattern was registered with ``falls_through=True`` and
-rejects the match (its reason, or a candidate's check): then the node goes on to the next patterns,
-and the rejection is recorded in the report's ``deferred`` list (a more specific pattern ahead of a
-general one, e.g. the residual norm site ahead of the plain norm→modulate site). Every match of a
-graph is checked before the first mutation; then each accepted candidate is replaced. A pattern's
-functions:
+whichever of their modules was imported first, then the others in registration order -- and the
+first whose ``match`` returns a non-empty :class:`Match` claims the node -- unless the pattern was
+registered with ``falls_through=True`` and rejects the match (its reason, or a candidate's check):
+then the node goes on to the next patterns, and the rejection is recorded in the report's
+``deferred`` list (a more specific pattern ahead of a general one, e.g. the residual norm site ahead
+of the plain norm→modulate site). Every match of a graph is checked before the first mutation; then
+each accepted candidate is replaced. A pattern's functions:
 
 ``match(gm, node) -> Optional[Match]``
     Structure only, no mutation. Each candidate of the match must have the attributes

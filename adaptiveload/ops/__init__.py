@@ -9,10 +9,10 @@ each with its schema and registrations, its reference math and its FX pattern; `
 what they share, ``extension.py`` builds the ``csrc/`` kernels, and the private ``_tuning.py`` forces
 the kernels' own launch choices for benchmarks and tests.
 
-Every family also takes the segmented layout of packed training
-(``adaln_modulate_segmented``, ``rms_norm_modulate_segmented``, ``residual_*_segmented``): x [..., D] of T rows, modulation
-[n, D] with one row per segment (sample) and ``segment_ids`` [T] naming each row's; the op gathers the
-rows to the tokens itself and keeps no per-token copy for backward (``segmented.py``).
+Every family also takes the segmented layout of packed training (``adaln_modulate_segmented``,
+``rms_norm_modulate_segmented``, ``residual_*_segmented``): x [..., D] of T rows, modulation [n, D]
+with one row per segment (sample) and ``segment_ids`` [T] naming each row's; the op gathers the rows
+to the tokens itself and keeps no per-token copy for backward (``segmented.py``).
 """
 from adaptiveload.ops import _tuning
 from adaptiveload.ops.adaln_modulate import (adaln_modulate, adaln_modulate_backward, adaln_modulate_segmented,

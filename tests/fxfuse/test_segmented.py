@@ -55,7 +55,8 @@ def _unsqueeze(ids):
 def _index_select(ids):
     def fn(x, m, w):
         sh, sc = m[:, 0], m[:, 1]
-        return F.layer_norm(x, (D,), eps=1e-6) * (1 + sc.index_select(0, ids)[None]) + torch.index_select(sh, 0, ids)[None]
+        scale, shift = sc.index_select(0, ids)[None], torch.index_select(sh, 0, ids)[None]
+        return F.layer_norm(x, (D,), eps=1e-6) * (1 + scale) + shift
     return fn
 
 

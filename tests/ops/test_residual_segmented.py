@@ -126,7 +126,8 @@ def test_autograd_keeps_no_per_token_gate_or_modulation():
 @pytest.mark.parametrize("edit, message", [
     (lambda v, ids: ({**v, "gate": None, "scale": None, "shift": None}, ids), "none of gate, scale, shift"),
     (lambda v, ids: (v, ids[:-1]), "segment_ids (shape [28]"),
-    (lambda v, ids: ({**v, "gate": v["gate"][:2]}, ids), "scale (shape [4, 16], dtype torch.float32) must have gate's 2 rows"),
+    (lambda v, ids: ({**v, "gate": v["gate"][:2]}, ids),
+     "scale (shape [4, 16], dtype torch.float32) must have gate's 2 rows"),
     (lambda v, ids: ({**v, "scale": v["scale"][:, :5]}, ids), "scale (shape [4, 5]"),
     (lambda v, ids: (v, ids.float()), "1-D int32 or int64"),
     (lambda v, ids: (v, torch.where(ids == 1, 9, ids)), "outside [0, 4)"),
