@@ -65,22 +65,7 @@ def check_inputs(op: str, x: Tensor, params: dict, scale: Tensor, shift: Optiona
             eps / out_dtype.
     """
     common.check_common(op, x, params, {}, out_dtype, eps, scale_optional=True)
-    D = x.shape[-1]
-    for name, t in (("scale", scale), ("shift", shift)):
-        if t is not None and (t.dtype not in common.FLOATING or t.dim() != 2 or t.shape[1] != D):
-            raise ValueError(f"{op}: {describe(name, t)} must be floating point of shape [n, {D}] (one row per "
-                             f"segment, D the last dim of x)")
-    if segment_ids.dtype not in ID_DTYPES or segment_ids.dim() != 1:
-        raise ValueError(f"{op}: {describe('segment_ids', segment_ids)} must be a 1-D int32 or int64 tensor "
-                         "(the segment of each row of x)")
-    common.check_devices(op, x, {"scale": scale, "shift": shift, "segment_ids": segment_ids})
-    if shift is not None:
-        n = scale.shape[0]
-        torch._check_value(shift.shape[0] == n,
-                           lambda: f"{op}: {describe('shift', shift)} must have scale's {n} rows (one per segment)")
-    T = rows(x)
-    torch._check_value(segment_ids.shape[0] == T, lambda: f"{op}: {describe('segment_ids', segment_ids)} must "
-                       f"have one id per row of x (shape {list(x.shape)}: {T} rows)")
+    check_rows(op, x, {"scale": scale, "shift": shift}, segment_ids)
 
 
 def check_backward_inputs(op: str, dy: Tensor, x: Tensor, params: dict, scale: Tensor, shift: Optional[Tensor],
