@@ -159,12 +159,15 @@ def row_gather(node: Any) -> Optional[tuple[Node, Node]]:
     elif ((node.op == "call_function" and node.target in _INDEX_SELECT)
           or (node.op == "call_method" and node.target == "index_select")) and len(node.args) == 3:
         index = node.args[2] if node.args[1] in (0, -2) else None
-    src_val, ids_val = fake_value(src), fake_value(index)
-    if src_val is None or ids_val is None or src_val.dim() != 2 or not is_floating(src_val):
-        return None
-    if ids_val.dim() != 1 or ids_val.dtype not in _INTEGER_INDEX:
-        return None
-    return src, index
+    return (src, index) if _rows_by(src, index) else None
+
+
+def _rows_by(src: Any, index: Any) -> bool:
+    """Whether the fake values show ``src`` a 2-D floating tensor and ``index`` a 1-D int32/int64 one
+    (row indices or row counts of it)."""
+    src_val, index_val = fake_value(src), fake_value(index)
+    return (src_val is not None and index_val is not None and src_val.dim() == 2 and is_floating(src_val)
+            and index_val.dim() == 1 and index_val.dtype in _INTEGER_INDEX)
 
 
 _REPEAT_INTERLEAVE = {torch.repeat_interleave, aten.repeat_interleave.self_Tensor}
@@ -185,12 +188,7 @@ def row_repeat(node: Any) -> Optional[tuple[Node, Node, Any]]:
     if set(bound) - set(names) or bound.get("dim") not in (0, -2) or bound.get("output_size") is None:
         return None
     src, repeats = bound.get("input"), bound.get("repeats")
-    src_val, rep_val = fake_value(src), fake_value(repeats)
-    if src_val is None or rep_val is None or src_val.dim() != 2 or not is_floating(src_val):
-        return None
-    if rep_val.dim() != 1 or rep_val.dtype not in _INTEGER_INDEX:
-        return None
-    return src, repeats, bound["output_size"]
+    return (src, repeats, bound["output_size"]) if _rows_by(src, repeats) else None
 
 
 def last_dim_piece(node: Any) -> Optional[tuple[Node, int, int]]:

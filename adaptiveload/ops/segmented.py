@@ -203,8 +203,9 @@ def register(lib: torch.library.Library, base: str, params: tuple[str, ...], sta
 
 
 def check_rows(op: str, x: Tensor, mods: dict, segment_ids: Tensor) -> None:
-    """The residual ops' segmented checks: each of ``mods`` (gate, scale, shift; None skipped)
-    floating [n, D] with one n, on x's device; segment_ids 1-D int32/int64 with one id per row of x.
+    """The segmented layout's checks of every family: each of ``mods`` (scale, shift, a residual's
+    gate; None skipped, at least one given) floating [n, D] with one n, on x's device; segment_ids 1-D
+    int32/int64 with one id per row of x.
 
     Raises:
         ValueError: naming the offending tensor with its shape and dtype (or device).
@@ -248,11 +249,10 @@ def register_residual(lib: torch.library.Library, base: str, params: tuple[str, 
     backward_op = getattr(torch.ops.adaptiveload, f"{base}_backward").default
     k = len(params)
 
-    def check_forward(x, gate, scale, shift, segment_ids):
-        check_rows(name, x, {"gate": gate, "scale": scale, "shift": shift}, segment_ids)
+    def row_check(op: str):  # one function per op: validate remembers signatures per check
+        return lambda x, gate, scale, shift, ids: check_rows(op, x, {"gate": gate, "scale": scale, "shift": shift}, ids)
 
-    def check_backward(r, gate, scale, shift, segment_ids):
-        check_rows(f"{name}_backward", r, {"gate": gate, "scale": scale, "shift": shift}, segment_ids)
+    check_forward, check_backward = row_check(name), row_check(f"{name}_backward")
 
     def forward(x, y, gate, *args, fake=False):
         *affine, scale, shift, segment_ids, eps, r_dtype, out_dtype = args
