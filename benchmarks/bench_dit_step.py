@@ -35,7 +35,8 @@ For each (B, S) of ``--shapes``:
 * ``--profile`` (CUDA only; skipped on a CPU): one more step of each backend under ``torch.profiler``:
   GPU time (ms) of all its device activities (kernels, copies, memsets; GPU user-annotation ranges
   excluded, they span the kernels they annotate) and of the norm-site kernels, each backend's over
-  Inductor's, and the ops by self device time in ``<model>_profile_<tag>_<B>x<S>_<backend>.txt``.
+  Inductor's, and the ops by self device time, then the norm-site kernels by name, in
+  ``<model>_profile_<tag>_<B>x<S>_<backend>.txt``.
   A norm-site kernel is one whose name contains one of ``NORM_SITE_KERNELS``: ``adaln`` (the C++
   namespace of all of this library's kernels, csrc/: fwd_kernel, bwd_row_kernel, bwd_col_kernel,
   bwd_reduce_kernel, res_*), ``res_fwd`` / ``res_bwd`` / ``res_reduce`` (the residual kernels), and
@@ -50,7 +51,8 @@ For each (B, S) of ``--shapes``:
   is ~0, see ``grad_errors``); the report gives the largest error and how many parameters are within
   5%, for every backend.
 
-Writes ``<out>/<model>_step_<tag>.json`` and ``.md`` with the GPU, torch version, date and exact command.
+Writes ``<out>/<model>_step_<tag>.json`` and ``.md`` with the GPU, torch version, date and exact command,
+rewritten after each shape.
 Usage: python benchmarks/bench_dit_step.py --model ltx|wan [--layers N] [--shapes BxS ...] [--backends ...]
        [--profile] [--tag h200]
 A check that it runs on a CPU (no profile): ``--device cpu --inner aot_eager --hidden 64 --heads 2
@@ -59,6 +61,7 @@ A check that it runs on a CPU (no profile): ``--device cpu --inner aot_eager --h
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import dataclasses
 import statistics
@@ -272,13 +275,17 @@ def is_norm_site(kernel: str) -> bool:
     return any(part in name for part in NORM_SITE_KERNELS)
 
 
-def device_ms(prof) -> tuple[float, float]:
-    """GPU ms of a profile's device activities (GPU user-annotation ranges excluded): all, norm sites."""
+def device_ms(prof) -> tuple[float, float, dict]:
+    """GPU ms of a profile's device activities (GPU user-annotation ranges excluded): all, norm
+    sites, and the norm sites' by kernel name (largest first)."""
     events = [e for e in prof.events()
               if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
     total = sum(e.device_time_total for e in events) / 1e3
-    norm = sum(e.device_time_total for e in events if is_norm_site(e.name)) / 1e3
-    return total, norm
+    by_kernel = collections.Counter()
+    for e in events:
+        if is_norm_site(e.name):
+            by_kernel[e.name] += e.device_time_total / 1e3
+    return total, sum(by_kernel.values()), dict(by_kernel.most_common())
 
 
 def profile_step(model, inputs, target, args, path: Path) -> dict:
@@ -294,8 +301,10 @@ def profile_step(model, inputs, target, args, path: Path) -> dict:
         step(model, inputs, target)
         sync(args)
         wall_ms = (time.perf_counter() - t0) * 1e3
-    kernel_ms, norm_ms = device_ms(prof)
+    kernel_ms, norm_ms, norm_kernels = device_ms(prof)
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
+    table += "\n\n# norm-site kernels, GPU ms in the step\n" + "\n".join(
+        f"{ms:9.3f}  {name}" for name, ms in norm_kernels.items())
     path.write_text(f"# one step: wall {wall_ms:.2f} ms (profiled), kernels {kernel_ms:.2f} ms, "
                     f"norm-site kernels {norm_ms:.2f} ms\n{table}\n")
     return {"wall_ms_profiled": wall_ms, "kernel_ms": kernel_ms, "norm_site_ms": norm_ms}
@@ -443,13 +452,16 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     model = MODELS[args.model]
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
-    rows = [run_shape(B, S, model, args) for B, S in shapes]
-    doc = {**run_context(__file__, argv), "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-           "model": args.model, "title": model.title, "hidden": args.hidden, "heads": args.heads,
-           "layers": args.layers, "text_dim": args.text_dim, "ffn": getattr(args, "ffn", None),
-           "inner": args.inner, "backends": args.backends, "rows": rows}
-    text = markdown(doc)
-    write_json_and_markdown(str(args.out), f"{args.model}_step_{args.tag}", doc, text)
+    rows = []
+    for B, S in shapes:  # the results file rewritten after each shape: a run cut short keeps what it measured
+        rows.append(run_shape(B, S, model, args))
+        doc = {**run_context(__file__, argv),
+               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+               "model": args.model, "title": model.title, "hidden": args.hidden, "heads": args.heads,
+               "layers": args.layers, "text_dim": args.text_dim, "ffn": getattr(args, "ffn", None),
+               "inner": args.inner, "backends": args.backends, "rows": rows}
+        text = markdown(doc)
+        write_json_and_markdown(str(args.out), f"{args.model}_step_{args.tag}", doc, text)
     print(text)
     return 0
 

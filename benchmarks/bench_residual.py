@@ -12,12 +12,20 @@ gate as its own [B, N, D] tensor) and each shape:
   dr, r (+ y with a gate) and writes dx (+ dy with a gate): 6 moves gated, 4 plain (+ a per-token
   gate read and its dgate written). Per-row statistics and per-sample rows are not counted.
 * determinism: the backward run 3 times, every output bit-identical to the first.
+* ``--stages``: each row timed again with the kernels' row staging forced to each value (the private
+  ``_tuning.override(fwd_stages=, bwd_stages=)``; 0 = loads at use / the register prefetch, ``auto``
+  = the launcher's choice), to pick the automatic setting.
+* ``--compare``: forward + backward through autograd (ms) of the fused op against the chain it
+  replaces in a compiled model: the residual add compiled by Inductor, then the norm op
+  (``adaptiveload.functional``; a plain norm: Inductor's ``F.layer_norm`` / ``F.rms_norm``), and against
+  Inductor compiling the whole chain.
 * accuracy against float64 (||out - ref|| / ||ref||) of r, out and every gradient, beside Inductor's
   (torch.compile of the same chain written in PyTorch: the sum in float32 rounded once to x's dtype,
   the norm of r as rounded, the modulation in float32, out rounded once), on ``--acc-N`` tokens.
 
 Writes ``<out>/residual_<tag>.json`` and ``.md`` with the GPU, torch version, date and exact command.
 Usage: python benchmarks/bench_residual.py [--B 1] [--N 65536] [--D 1536 3072 5120] [--tag h200]
+       [--stages auto 0 2 4] [--compare]
 """
 from __future__ import annotations
 
@@ -111,36 +119,76 @@ def chain(v, x, y, gate, weight, bias, scale, shift):
 
 
 
-def accuracy(B, N, D, v, gen) -> dict:
-    """Relative error vs float64 of r, out and every gradient, for the op and for Inductor."""
-    t = make_inputs(B, N, D, v, gen)
-    probes = [torch.randn(t["x"].shape, device="cuda", generator=gen, dtype=torch.float64) for _ in range(2)]
-    names = [k for k in ("x", "y", "gate", "weight", "bias", "scale", "shift") if t[k] is not None]
+NAMES = ("x", "y", "gate", "weight", "bias", "scale", "shift")
 
-    bases, labels = {}, ["r", "out"]  # one leaf per distinct tensor (the embedding's chunks share one)
-    for k in names:
+
+def leaves_of(t) -> tuple[dict, list]:
+    """``({id: base tensor}, [gradient labels])``: one leaf per distinct tensor of the site (the
+    embedding's chunks share one), and the name of each leaf's gradient."""
+    bases, labels = {}, []
+    for k in NAMES:
+        if t[k] is None:
+            continue
         base = t[k]._base if t[k]._base is not None else t[k]
         if id(base) not in bases:
             bases[id(base)] = base
             labels.append("d(emb)" if t[k]._base is not None else f"d{k}")
+    return bases, labels
 
-    def run(fn, cast):
-        leaves = {i: b.detach().to(cast or b.dtype).requires_grad_() for i, b in bases.items()}
-        views = {}
-        for k in names:  # the same views, now of the leaves
-            base = t[k]._base if t[k]._base is not None else t[k]
-            leaf = leaves[id(base)]
-            views[k] = leaf if t[k]._base is None else leaf.as_strided(t[k].shape, t[k].stride(),
-                                                                       t[k].storage_offset())
-        r, out = fn(*(views.get(k) for k in ("x", "y", "gate", "weight", "bias", "scale", "shift")))
-        loss = (r.double() * probes[0]).sum() + (out.double() * probes[1]).sum()
-        grads = torch.autograd.grad(loss, list(leaves.values()))
-        return [r.detach(), out.detach(), *grads]
 
+def with_leaves(t, bases, cast=None) -> tuple[dict, list]:
+    """``(the site's tensors by name as views of fresh leaves requiring grad, the leaves)``."""
+    leaves = {i: b.detach().to(cast or b.dtype).requires_grad_() for i, b in bases.items()}
+    views = {}
+    for k in NAMES:
+        if t[k] is None:
+            views[k] = None
+            continue
+        base = t[k]._base if t[k]._base is not None else t[k]
+        leaf = leaves[id(base)]
+        views[k] = leaf if t[k]._base is None else leaf.as_strided(t[k].shape, t[k].stride(), t[k].storage_offset())
+    return views, list(leaves.values())
+
+
+def fused_site(v):
+    """The site as the fused op: ``(x, y, gate, weight, bias, scale, shift) -> (r, out)``."""
     def fused(x, y, gate, weight, bias, scale, shift):
         tt = {"x": x, "y": y, "gate": gate, "weight": weight, "bias": bias, "scale": scale, "shift": shift}
         return tuple(forward(v, tt, x.dtype, x.dtype)[:2])
+    return fused
 
+
+def unfused_site(v):
+    """The site as a compiled model runs it without the residual fold: Inductor's add, then the norm
+    op (a plain norm: Inductor's)."""
+    import adaptiveload.functional as AF  # (after start(): the kernels required)
+
+    def site(x, y, gate, weight, bias, scale, shift):
+        branch = y.float() if gate is None else y.float() * gate.float()
+        r = (x.float() + branch).to(x.dtype)
+        if scale is None:
+            return chain(v, x, y, gate, weight, bias, scale, shift)
+        if v["norm"] == "layer_norm":
+            return r, AF.adaln_modulate(r, scale, shift, weight=weight, bias=bias, eps=EPS)
+        return r, AF.rms_norm_modulate(r, scale, shift, weight=weight, eps=EPS)
+    return site
+
+
+def accuracy(B, N, D, v, gen) -> dict:
+    """Relative error vs float64 of r, out and every gradient, for the op and for Inductor."""
+    t = make_inputs(B, N, D, v, gen)
+    probes = [torch.randn(t["x"].shape, device="cuda", generator=gen, dtype=torch.float64) for _ in range(2)]
+    bases, labels = leaves_of(t)
+    labels = ["r", "out", *labels]
+
+    def run(fn, cast):
+        views, leaves = with_leaves(t, bases, cast)
+        r, out = fn(*(views[k] for k in NAMES))
+        loss = (r.double() * probes[0]).sum() + (out.double() * probes[1]).sum()
+        grads = torch.autograd.grad(loss, leaves)
+        return [r.detach(), out.detach(), *grads]
+
+    fused = fused_site(v)
     ref = run(lambda *a: chain(v, *a), torch.float64)
     got = run(fused, None)
     torch._dynamo.reset()
@@ -148,6 +196,31 @@ def accuracy(B, N, D, v, gen) -> dict:
     inductor = run(compiled, None)
     return {name: {"fused": rel_err(g, r), "inductor": rel_err(i, r)}
             for name, g, i, r in zip(labels, got, inductor, ref)}
+
+
+def compare(tt, B, N, D, v, gen) -> dict:
+    """Forward + backward (ms, autograd, dout and dr both given) of the fused op, of the unfused
+    site (:func:`unfused_site`) and of Inductor's compiled chain."""
+    t = make_inputs(B, N, D, v, gen)
+    bases, _ = leaves_of(t)
+    dout, dr = torch.randn_like(t["x"]), torch.randn_like(t["x"])
+    sites = {"fused": lambda: fused_site(v), "unfused": lambda: torch.compile(unfused_site(v), dynamic=False),
+             "inductor": lambda: torch.compile(lambda *a: chain(v, *a), dynamic=False)}
+    times = {}
+    for label, make in sites.items():
+        torch._dynamo.reset()
+        site = make()
+        views, leaves = with_leaves(t, bases)  # fresh leaves for each site
+
+        def step():
+            r, out = site(*(views[k] for k in NAMES))
+            torch.autograd.backward((r, out), (dr, dout))
+        try:
+            times[f"{label}_ms"] = tt.do_bench(step, warmup=25, rep=150, grad_to_none=leaves, return_mode="median")
+        except RuntimeError as e:  # a failed compile loses this cell, not the run
+            print(f"compare: {label} failed at B={B} N={N} D={D}: {e}", flush=True)
+            times[f"{label}_ms"] = float("nan")
+    return times
 
 
 def run_shape(tt, B, N, D, name, v, bw, gen) -> dict:
@@ -172,13 +245,23 @@ def markdown(doc: dict) -> str:
              f"Command: `{doc['command']}`", "",
              f"Copy bandwidth (read + write): {doc['copy_tb_s']:.2f} TB/s. Targets: forward >= "
              f"{FWD_TARGET:.0%}, backward >= {BWD_TARGET:.0%} of SoL.", "",
-             "| variant | B | N | D | fwd ms | fwd SoL | bwd ms | bwd SoL | fwd / bwd MB | bwd bit-identical |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| variant | B | N | D | stages | fwd ms | fwd SoL | bwd ms | bwd SoL | fwd / bwd MB "
+             "| bwd bit-identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
-        lines.append(f"| {r['variant']} | {r['B']} | {r['N']} | {r['D']} | {r['fwd_ms']:.3f} | {r['fwd_sol']:.1%} | "
-                     f"{r['bwd_ms']:.3f} | {r['bwd_sol']:.1%} | "
+        lines.append(f"| {r['variant']} | {r['B']} | {r['N']} | {r['D']} | {r.get('stages', 'auto')} | "
+                     f"{r['fwd_ms']:.3f} | {r['fwd_sol']:.1%} | {r['bwd_ms']:.3f} | {r['bwd_sol']:.1%} | "
                      f"{r['fwd_bytes'] / 1e6:.0f} / {r['bwd_bytes'] / 1e6:.0f} | "
                      f"{r['backward_bit_identical_3_runs']} |")
+    compared = [r for r in doc["rows"] if "fused_ms" in r]
+    if compared:
+        lines += ["", "Forward + backward through autograd (ms): the fused op, the unfused site (Inductor's add, then "
+                  "the norm op) and Inductor's whole chain", "",
+                  "| variant | B | N | D | fused | unfused | Inductor | unfused / fused |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in compared:
+            lines.append(f"| {r['variant']} | {r['B']} | {r['N']} | {r['D']} | {r['fused_ms']:.3f} | "
+                         f"{r['unfused_ms']:.3f} | {r['inductor_ms']:.3f} | {r['unfused_ms'] / r['fused_ms']:.2f}x |")
     lines += ["", f"Accuracy vs float64 (rel. error), N = {doc['acc_N']}: fused op / Inductor", ""]
     for a in doc["accuracy"]:
         cells = ", ".join(f"{k} {e['fused']:.2e} / {e['inductor']:.2e}" for k, e in a["errors"].items())
@@ -189,21 +272,35 @@ def markdown(doc: dict) -> str:
 def main(argv=None) -> int:
     parser = op_arguments(__doc__.splitlines()[0], [1536, 3072, 5120], "residual")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--stages", nargs="+", default=["auto"],
+                        help="row staging to time each row with: auto (the kernels' choice), 0, 2..8")
+    parser.add_argument("--compare", action="store_true",
+                        help="also time forward + backward against the unfused site and Inductor's chain")
     args = parser.parse_args(argv)
     setup = start("bench_residual")
     if setup is None:
         return 1
+    from adaptiveload.ops import _tuning
+
     tt, gen, bw = setup
     rows = []
     for B in args.B:
         for D in args.D:
             for name in args.variants:
-                row = run_shape(tt, B, args.N, D, name, VARIANTS[name], bw, gen)
-                rows.append(row)
-                print(f"{name} B={B} N={args.N} D={D}: fwd {row['fwd_ms']:.3f} ms ({row['fwd_sol']:.1%} SoL), "
-                      f"bwd {row['bwd_ms']:.3f} ms ({row['bwd_sol']:.1%}), "
-                      f"bit-identical {row['backward_bit_identical_3_runs']}", flush=True)
-                torch.cuda.empty_cache()
+                for stages in args.stages:
+                    value = stages if stages == "auto" else int(stages)
+                    with _tuning.override(fwd_stages=value, bwd_stages=value):
+                        row = run_shape(tt, B, args.N, D, name, VARIANTS[name], bw, gen)
+                    row["stages"] = stages
+                    if args.compare and stages == args.stages[0]:
+                        row.update(compare(tt, B, args.N, D, VARIANTS[name], gen))
+                    rows.append(row)
+                    print(f"{name} B={B} N={args.N} D={D} stages {stages}: fwd {row['fwd_ms']:.3f} ms "
+                          f"({row['fwd_sol']:.1%} SoL), bwd {row['bwd_ms']:.3f} ms ({row['bwd_sol']:.1%}), "
+                          f"bit-identical {row['backward_bit_identical_3_runs']}"
+                          + (f", fwd+bwd fused {row['fused_ms']:.3f} / unfused {row['unfused_ms']:.3f} / "
+                             f"Inductor {row['inductor_ms']:.3f} ms" if "fused_ms" in row else ""), flush=True)
+                    torch.cuda.empty_cache()
     acc = []
     if not args.no_accuracy:
         for D in args.acc_D:

@@ -145,10 +145,11 @@ void with_chunk_count(int chunks, const F& f) {
 }
 // Ring slots of `ring_kernel` for `requested` (FwdArgs::stages: -1 automatic, 0 none,
 // 2..kMaxStages), or 0 where the ring cannot run: not `eligible` (unaligned rows), a GPU or a build
-// before sm_90, or too little shared memory for two slots of `slot_bytes` beside `fixed_bytes`.
+// before `min_arch` (90: the bulk copies of the norm -> modulate rings; 80: the residual kernels'
+// cp.async staging), or too little shared memory for two slots of `slot_bytes` beside `fixed_bytes`.
 // Automatic: slots for ~`auto_bytes` of rows per block.
 int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_bytes, size_t auto_bytes,
-                const void* ring_kernel);
+                const void* ring_kernel, int min_arch = 90);
 int max_features(DType xt);
 
 void launch_forward(const FwdArgs& a, cudaStream_t stream);  // by a.norm

@@ -77,13 +77,13 @@ int ptx_version(const void* kernel) {
 }  // namespace
 
 int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_bytes, size_t auto_bytes,
-                const void* ring_kernel) {
+                const void* ring_kernel, int min_arch) {
   if (requested == 0 || !eligible) return 0;
   const DeviceProps& dev = device_props();
   const int major = dev.major, optin = dev.smem_optin;
-  // the device and the code both sm_90+: a build for an older target (e.g. TORCH_CUDA_ARCH_LIST=8.0+PTX,
-  // JIT-compiled here) has no bulk copies in it
-  if (major < 9 || optin <= 1024 || ptx_version(ring_kernel) < 90) return 0;
+  // the device and the code both min_arch+: a build for an older target (e.g.
+  // TORCH_CUDA_ARCH_LIST=8.0+PTX, JIT-compiled here) has no bulk copies in it
+  if (major < min_arch / 10 || optin <= 1024 || ptx_version(ring_kernel) < min_arch) return 0;
   const size_t room = static_cast<size_t>(optin) - 1024;  // static shared memory: reductions, barriers
   int stages = requested > 0 ? requested : static_cast<int>(auto_bytes / slot_bytes);
   stages = stages < 2 ? 2 : (stages > kMaxStages ? kMaxStages : stages);

@@ -42,7 +42,9 @@ class Choices(NamedTuple):
         fwd_stages, bwd_stages: rows in the forward's / the backward row kernel's shared-memory ring
             on sm_90, 0 (the register prefetch of one row) or 2..8; where the ring cannot run
             (unaligned rows, rows too wide a thread, GPUs before sm_90, too little shared memory) the
-            kernels take the register path whatever is asked.
+            kernels take the register path whatever is asked. The residual ops' kernels read them
+            as the slots of their per-thread staging ring (sm_80+; 0: rows loaded at use), which
+            runs where every row tensor has r's dtype and the rows are aligned.
         store: how the ring forward writes y, ``"threads"`` (each thread its 16-byte groups) or
             ``"bulk"`` (into the row's ring slot, then one bulk store by the copy engine; only with
             per-sample or shared modulation, y of x's element size and 3+ slots, else as threads).

@@ -34,6 +34,84 @@ constexpr int kResOnePassChunks = 2;
 //   P2 = sum dout (per-token scale with a reduced shift),  P3 = sum y * dr_total (reduced gate).
 constexpr int kResPlanes = 4;
 
+// ---------------------------------------------------------------------------------------------
+// Per-thread row staging (cp.async, sm_80+). Each thread copies the 16-byte groups of a row that it
+// will itself read into its own part of a shared-memory ring, `stages` rows ahead of the row it
+// computes, one commit group a row. No barrier guards the data: a thread reads only what it copied,
+// and cp.async.wait_group orders its own copies; the ring keeps stages x (the row tensors) in flight
+// without holding registers, where the register prefetch holds one row. A row past the block's last
+// commits an empty group, so the row being computed is always `stages - 1` groups back. Aligned rows
+// only (each group wholly inside D or wholly past it); a group past D is zero-filled (src-size 0),
+// as the register loads read zeros there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define ADALN_CP_ASYNC 1
+#endif
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#ifdef ADALN_CP_ASYNC
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0) : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef ADALN_CP_ASYNC
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+// This thread: wait until at most `pending` (0..kMaxStages - 1) of its commit groups are in flight.
+__device__ __forceinline__ void cp_async_wait(int pending) {
+#ifdef ADALN_CP_ASYNC
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+  }
+#endif
+}
+
+// A block's staging ring: S slots x NT row tensors x C groups of kResVec elements of T (kWords
+// 16-byte words each) a thread, laid out so that the threads of a warp touch consecutive words.
+template <typename T, int NT, int C>
+struct RowStage {
+  static constexpr int kWords = kResVec * sizeof(T) / 16;
+  uint4* base;
+  int threads, tid;
+  // The bytes of a slot for `threads` threads.
+  static __host__ __device__ size_t slot_bytes(int threads) {
+    return static_cast<size_t>(NT) * C * kWords * 16 * threads;
+  }
+  __device__ __forceinline__ uint4* at(int slot, int t, int c, int w) const {
+    return base + (((slot * NT + t) * C + c) * kWords + w) * threads + tid;
+  }
+  // Issue the copies of this thread's groups of `row` (tensor t, D elements) into `slot`.
+  __device__ __forceinline__ void copy(int slot, int t, const T* row, int D) const {
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int col = (c * threads + tid) * kResVec;
+      const bool in = col < D;
+      const char* src = reinterpret_cast<const char*>(in ? row + col : row);
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) cp_async16(at(slot, t, c, w), src + 16 * w, in);
+    }
+  }
+  // This thread's groups of tensor t in `slot` (its copies waited for).
+  __device__ __forceinline__ void read(int slot, int t, Raw<T, kResVec> (&dst)[C]) const {
+#pragma unroll
+    for (int c = 0; c < C; ++c)
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) reinterpret_cast<uint4*>(&dst[c])[w] = *at(slot, t, c, w);
+  }
+};
+// Automatic staging: slots for about this many bytes of rows a block.
+constexpr size_t kResStageBytes = 48 * 1024;
+
 struct ResFwdArgs {
   const void* x = nullptr;  // [B, N, D], dtype xt
   const void* y = nullptr;  // [B, N, D], dtype yt
@@ -51,6 +129,9 @@ struct ResFwdArgs {
   DType xt = DType::F32, yt = DType::F32, ot = DType::F32;
   bool aligned = false;  // every row start and modulation row 16-byte aligned and D % kResVec == 0
   int max_threads = 0;   // threads-per-block cap (Tuning); 0: automatic
+  // Slots of the x / y staging ring (RowStage): -1 automatic (Tuning::fwd_stages), 0 the register
+  // prefetch, 2..kMaxStages; the launcher resolves it (0 where staging cannot run).
+  int stages = -1;
 };
 
 struct ResBwdArgs {
@@ -87,6 +168,9 @@ struct ResBwdArgs {
   bool aligned = false;
   bool two_kernel = false;  // the row kernel computes dx only; a column kernel recomputes the partials
   int max_threads = 0;
+  // Slots of the one-pass row kernel's staging ring of r, dout, dr and y (RowStage): -1 automatic
+  // (Tuning::bwd_stages), 0 none (loads at use), 2..kMaxStages; resolved by res_backward's plan.
+  int stages = -1;
   // Set by res_backward's plan: row tiles a sample, rows a tile, the row kernel's block shape.
   int64_t tiles = 0, rows_per_tile = 0;
   int threads = 0, chunks = 0;

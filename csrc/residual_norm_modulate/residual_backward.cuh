@@ -21,7 +21,9 @@
 // registers, written once per block. dr and y are issued before the reduction at one chunk a thread,
 // after it at more (fewer registers held across the barrier); a per-token gate row after it. dout,
 // dr, y, dx and dy are read and written as IO says (TypedRows<Tr> when all have r's dtype, else
-// AnyRows). No prefetch of the next row and no shared-memory ring yet.
+// AnyRows). STG (typed, aligned rows, sm_80+): r, dout, dr and y come through the per-thread staging
+// ring (RowStage), a.stages rows ahead, and dr and y are read from it after the reduction at any chunk
+// count; else each row is loaded when its turn comes.
 // Two kernels (wider rows, or BwdArgs-style forced by Tuning::two_kernel): the row kernel computes dx
 // and the per-element gradients and saves the two row sums; res_bwd_col_kernel then recomputes
 // dr_total per element from dout, r, dr, y and the saved sums for the partials.
@@ -37,12 +39,15 @@ __device__ __forceinline__ float res_dr_total(float g, float xh, float rstd, flo
   return __fadd_rn(__fmul_rn(rstd, __fsub_rn(__fsub_rn(g, mg), __fmul_rn(xh, mgx))), dr);
 }
 
-template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3>
+// The row tensors of the backward's staging ring, in slot order.
+enum ResBwdStaged : int { kStR = 0, kStDout = 1, kStDr = 2, kStY = 3, kStCount = 4 };
+
+template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3, bool STG = false>
 __global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdArgs a) {
   constexpr bool RMS = N == Norm::RMS;
   constexpr int NS = RMS ? 1 : 2;  // row sums: [sum g,] sum g * r_hat
   constexpr int VEC = kResVec;
-  constexpr bool kEarly = C == 1;  // dr and y issued before the row's reduction (else after it)
+  constexpr bool kEarly = C == 1 && !STG;  // dr and y loaded before the row's reduction (else after it)
   using RawIO = typename IO::template RawT<VEC>;
   __shared__ float red[2 * 2 * 32];
   int parity = 0;
@@ -85,6 +90,24 @@ __global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdAr
     gate_row.store(c, g);
   }
 
+  // the staging ring (STG) after the coefficient rows: rows n0 .. n0 + S - 2 issued up front
+  const RowStage<Tr, kStCount, C> stage{reinterpret_cast<uint4*>(coef_smem + 3 * arr), T, tid};
+  const int S = STG ? a.stages : 1;
+  auto stage_row = [&](int64_t n, int slot) {
+    const int64_t o = (b * a.N + n) * static_cast<int64_t>(D);
+    stage.copy(slot, kStR, rp + o, D);
+    stage.copy(slot, kStDout, static_cast<const Tr*>(a.dout) + o, D);
+    if (a.dr) stage.copy(slot, kStDr, static_cast<const Tr*>(a.dr) + o, D);
+    if (has_gate) stage.copy(slot, kStY, static_cast<const Tr*>(a.y) + o, D);
+  };
+  if constexpr (STG) {
+    for (int i = 0; i < S - 1; ++i) {
+      if (n0 + i < n1) stage_row(n0 + i, i);
+      cp_async_commit();
+    }
+  }
+  int slot = 0;  // row n's slot (STG)
+
   const float inv_d = 1.f / static_cast<float>(D);
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t row = b * a.N + n;
@@ -94,12 +117,26 @@ __global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdAr
     Raw<Tr, VEC> cr[C];
     RawIO cdo[C], cdr[C], cy[C];
     AnyRaw<VEC> cs[SPT ? C : 1];
-    load_chunks(rp + off, D, T, tid, al, cr);
-    IO::template load<VEC, C>(IO::at(a.dout, a.dot, off), a.dot, D, T, tid, al, cdo);
+    if constexpr (STG) {
+      // row n + S - 1 into the slot row n - 1 left (this thread read it in the previous iteration)
+      if (n + S - 1 < n1) stage_row(n + S - 1, slot == 0 ? S - 1 : slot - 1);
+      cp_async_commit();
+      cp_async_wait(S - 1);
+      stage.read(slot, kStR, cr);
+      stage.read(slot, kStDout, cdo);
+    } else {
+      load_chunks(rp + off, D, T, tid, al, cr);
+      IO::template load<VEC, C>(IO::at(a.dout, a.dot, off), a.dot, D, T, tid, al, cdo);
+    }
     if constexpr (SPT) load_chunks_any<VEC, C>(mod_row(a.scale, b, n), a.scale.t, D, T, tid, al, cs);
     auto load_late = [&]() {  // what only the second half of the row needs
-      if (a.dr) IO::template load<VEC, C>(IO::at(a.dr, a.drt, off), a.drt, D, T, tid, al, cdr);
-      if (has_gate) IO::template load<VEC, C>(IO::at(a.y, a.yt, off), a.yt, D, T, tid, al, cy);
+      if constexpr (STG) {
+        if (a.dr) stage.read(slot, kStDr, cdr);
+        if (has_gate) stage.read(slot, kStY, cy);
+      } else {
+        if (a.dr) IO::template load<VEC, C>(IO::at(a.dr, a.drt, off), a.drt, D, T, tid, al, cdr);
+        if (has_gate) IO::template load<VEC, C>(IO::at(a.y, a.yt, off), a.yt, D, T, tid, al, cy);
+      }
     };
     if constexpr (kEarly) load_late();
     // s1 = 1 + the per-token scale of element j of chunk c (SPT), else 1
@@ -185,6 +222,7 @@ __global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdAr
         if (gpt) store_any<VEC>(elem_ptr(a.dgate_el, a.dgate_t, off), a.dgate_t, col, D, al, o);
       }
     }
+    if constexpr (STG) slot = slot + 1 == S ? 0 : slot + 1;
   }
 
   if constexpr (ACC) {
@@ -285,39 +323,58 @@ __global__ void __launch_bounds__(512) res_reduce_kernel(const ResBwdArgs a) {
   }
 }
 
-// Shared memory of the backward row kernel's coefficient rows (cf, bias, gate).
-inline size_t res_bwd_smem(int threads, int chunks) {
-  return static_cast<size_t>(3) * chunks * kResVec * threads * sizeof(float);
+// Shared memory of the backward row kernel's coefficient rows (cf, bias, gate), then `stages` slots
+// of its staging ring of `slot_bytes` each.
+inline size_t res_bwd_smem(int threads, int chunks, int stages = 0, size_t slot_bytes = 0) {
+  return static_cast<size_t>(3) * chunks * kResVec * threads * sizeof(float) + stages * slot_bytes;
 }
 
-// f(kernel): the row kernel for a's plan (chunks, one pass or two kernels, a per-token scale, the
-// partials it keeps, how it reads the row tensors).
+// Rows of r's dtype for dout, dr, y and dx (the common case): the row kernel reads them raw in Tr.
+template <typename Tr>
+bool res_bwd_typed(const ResBwdArgs& a) {
+  constexpr DType kTr = dtype_of<Tr>();
+  return a.dot == kTr && (!a.dr || a.drt == kTr) && (!a.y || a.yt == kTr) && a.dxt == kTr;
+}
+
+// f(kernel, staged): the row kernel for a's plan (chunks, one pass or two kernels, a per-token scale,
+// the partials it keeps, how it reads the row tensors); staged (the one-pass kernel with typed rows
+// only) picks its staging-ring instance.
 template <Norm N, typename Tr, typename F>
-void res_bwd_row_kernel_for(const ResBwdArgs& a, const F& f) {
+void res_bwd_row_kernel_for(const ResBwdArgs& a, bool staged, const F& f) {
   const bool one_pass = a.columns() && !a.two_kernel;
   const bool spt = a.scale.ptr && a.scale.sn != 0, p3 = a.dgate_rows != nullptr;
-  // dout, dr, y and dx of r's dtype (the common case): their rows raw in Tr
-  constexpr DType kTr = dtype_of<Tr>();
-  const bool typed = a.dot == kTr && (!a.dr || a.drt == kTr) && (!a.y || a.yt == kTr) && a.dxt == kTr;
   auto by_io = [&](auto io) {
     using IO = decltype(io);
+    constexpr bool kTyped = std::is_same<IO, TypedRows<Tr>>::value;
     with_chunk_count<kResMaxChunks>(a.chunks, [&](auto chunks) {
       constexpr int kC = decltype(chunks)::value;
       if constexpr (kC <= kResOnePassChunks) {
         if (one_pass) {
-          if (spt && p3) f(res_bwd_row_kernel<N, Tr, kC, IO, true, true, true>);
-          else if (spt) f(res_bwd_row_kernel<N, Tr, kC, IO, true, true, false>);
-          else if (p3) f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, true>);
-          else f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, false>);
-          return;
+          auto pick = [&](auto stg) {
+            constexpr bool kS = decltype(stg)::value;
+            if (spt && p3) f(res_bwd_row_kernel<N, Tr, kC, IO, true, true, true, kS>);
+            else if (spt) f(res_bwd_row_kernel<N, Tr, kC, IO, true, true, false, kS>);
+            else if (p3) f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, true, kS>);
+            else f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, false, kS>);
+          };
+          if constexpr (kTyped) {
+            if (staged) return pick(std::true_type{});
+          }
+          return pick(std::false_type{});
         }
       }
       if (spt) f(res_bwd_row_kernel<N, Tr, kC, IO, true, false, false>);
       else f(res_bwd_row_kernel<N, Tr, kC, IO, false, false, false>);
     });
   };
-  if (typed) by_io(TypedRows<Tr>{});
+  if (res_bwd_typed<Tr>(a)) by_io(TypedRows<Tr>{});
   else by_io(AnyRows{});
+}
+
+// The bytes of one slot of the backward's staging ring for a's block shape.
+template <typename Tr>
+size_t res_bwd_slot_bytes(const ResBwdArgs& a) {
+  return static_cast<size_t>(kStCount) * a.chunks * kResVec * sizeof(Tr) * a.threads;
 }
 
 template <Norm N, typename Tr>
@@ -327,13 +384,26 @@ void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
     a.threads = rs.threads;
     a.chunks = rs.chunks;
     a.two_kernel = a.columns() && (a.two_kernel || rs.chunks > kResOnePassChunks);
-    res_bwd_row_kernel_for<N, Tr>(a, [&](auto kernel) {
-      one_wave(kernel, a.threads, res_bwd_smem(a.threads, a.chunks), a.B, a.N, false, a.tiles, a.rows_per_tile);
+    // the staging ring: the one-pass kernel with typed, aligned rows (a.stages: the request)
+    const bool eligible = a.columns() && !a.two_kernel && a.aligned && res_bwd_typed<Tr>(a);
+    const size_t coef = res_bwd_smem(a.threads, a.chunks), slot = res_bwd_slot_bytes<Tr>(a);
+    int stages = 0;
+    if (eligible) {
+      res_bwd_row_kernel_for<N, Tr>(a, true, [&](auto kernel) {
+        stages = ring_stages(a.stages, true, coef, slot, kResStageBytes, reinterpret_cast<const void*>(kernel), 80);
+      });
+    }
+    a.stages = stages;
+    res_bwd_row_kernel_for<N, Tr>(a, a.stages > 0, [&](auto kernel) {
+      one_wave(kernel, a.threads, res_bwd_smem(a.threads, a.chunks, a.stages, slot), a.B, a.N, false, a.tiles,
+               a.rows_per_tile);
     });
     return;
   }
-  res_bwd_row_kernel_for<N, Tr>(a, [&](auto kernel) {
-    kernel<<<static_cast<unsigned>(a.B * a.tiles), a.threads, res_bwd_smem(a.threads, a.chunks), stream>>>(a);
+  if (!a.aligned) a.stages = 0;  // (the workspace, allocated after the plan, unaligned: never from torch)
+  const size_t smem = res_bwd_smem(a.threads, a.chunks, a.stages, res_bwd_slot_bytes<Tr>(a));
+  res_bwd_row_kernel_for<N, Tr>(a, a.stages > 0, [&](auto kernel) {
+    kernel<<<static_cast<unsigned>(a.B * a.tiles), a.threads, smem, stream>>>(a);
   });
   if (!a.columns()) return;
   if (a.two_kernel) {

@@ -13,10 +13,11 @@
 //     out = (r - mean) * rstd * alpha + beta   (a per-token scale multiplies alpha and beta, a per-token
 //                                               shift adds to beta; then rounded once to out's dtype)
 // A block of T threads covers a row; thread t owns the groups of 8 elements t, t + T, ... (C of them):
-// r stays in registers in fp32 between the reductions, and the next row's x and y are loaded raw
-// while this row is reduced (up to kResPrefetchChunks chunks). x, y and out are read and written as
-// IO says: TypedRows<Tr> when all three have r's dtype (raw rows in Tr), else AnyRows (each in its
-// own dtype, twice the registers for a 16-bit raw row). No shared-memory ring yet.
+// r stays in registers in fp32 between the reductions. x and y come through the per-thread staging
+// ring (STG: typed, aligned rows, sm_80+; RowStage), a.stages rows ahead; else the next row's x and
+// y are loaded raw into registers while this row is reduced (up to kResPrefetchChunks chunks). x, y
+// and out are read and written as IO says: TypedRows<Tr> when all three have r's dtype (raw rows in
+// Tr), else AnyRows (each in its own dtype, twice the registers for a 16-bit raw row).
 #pragma once
 
 #include "residual_norm_modulate/residual.cuh"
@@ -28,11 +29,11 @@ __device__ __forceinline__ const void* mod_row(const ModView& m, int64_t b, int6
   return elem_ptr(m.ptr, m.t, b * m.sb + n * m.sn);
 }
 
-template <Norm N, typename Tr, int C, bool PT, typename IO>
+template <Norm N, typename Tr, int C, bool PT, typename IO, bool STG = false>
 __global__ void __launch_bounds__(kMaxThreads) res_fwd_kernel(const ResFwdArgs a, int64_t tiles) {
   constexpr bool RMS = N == Norm::RMS;
   constexpr int VEC = kResVec;
-  constexpr bool kPrefetch = C <= kResPrefetchChunks;
+  constexpr bool kPrefetch = C <= kResPrefetchChunks && !STG;
   __shared__ float red[2 * 1 * 32];
   int parity = 0;
   const int64_t b = blockIdx.x / tiles, t = blockIdx.x % tiles;
@@ -81,12 +82,35 @@ __global__ void __launch_bounds__(kMaxThreads) res_fwd_kernel(const ResFwdArgs a
     IO::template load<VEC, C>(IO::at(a.y, a.yt, off), a.yt, D, T, tid, al, ys);
   };
   if constexpr (kPrefetch) load_xy(t, nx, ny);
+  // the staging ring (STG) after the coefficient rows: x in tensor 0, y in 1 of each slot
+  const RowStage<Tr, 2, C> stage{reinterpret_cast<uint4*>(coef_smem + 3 * arr), T, tid};
+  const int S = STG ? a.stages : 1;
+  auto stage_row = [&](int64_t k, int slot) {  // the block's k-th row
+    const int64_t o = (b * a.N + t + k * tiles) * static_cast<int64_t>(D);
+    stage.copy(slot, 0, static_cast<const Tr*>(a.x) + o, D);
+    stage.copy(slot, 1, static_cast<const Tr*>(a.y) + o, D);
+  };
+  if constexpr (STG) {
+    for (int i = 0; i < S - 1; ++i) {
+      if (i < count) stage_row(i, i);
+      cp_async_commit();
+    }
+  }
+  int slot = 0;  // the k-th row's slot (STG)
 
   for (int64_t k = 0; k < count; ++k) {
     const int64_t n = t + k * tiles;
     const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
     RawIO cx[C], cy[C];
-    if constexpr (kPrefetch) {
+    if constexpr (STG) {
+      // row k + S - 1 into the slot row k - 1 left (this thread read it in the previous iteration)
+      if (k + S - 1 < count) stage_row(k + S - 1, slot == 0 ? S - 1 : slot - 1);
+      cp_async_commit();
+      cp_async_wait(S - 1);
+      stage.read(slot, 0, cx);
+      stage.read(slot, 1, cy);
+      slot = slot + 1 == S ? 0 : slot + 1;
+    } else if constexpr (kPrefetch) {
 #pragma unroll
       for (int c = 0; c < C; ++c) cx[c] = nx[c], cy[c] = ny[c];
       if (k + 1 < count) load_xy(n + tiles, nx, ny);  // in flight while this row is reduced
@@ -165,28 +189,45 @@ __global__ void __launch_bounds__(kMaxThreads) res_fwd_kernel(const ResFwdArgs a
   }
 }
 
-// Shared memory of the forward's coefficient rows (alpha, beta, gate) for a block of rs.
-inline size_t res_fwd_smem(RowShape rs) { return static_cast<size_t>(3) * rs.chunks * kResVec * rs.threads * sizeof(float); }
+// Shared memory of the forward's coefficient rows (alpha, beta, gate) for a block of rs, then `stages`
+// slots of its staging ring of `slot_bytes` each.
+inline size_t res_fwd_smem(RowShape rs, int stages = 0, size_t slot_bytes = 0) {
+  return static_cast<size_t>(3) * rs.chunks * kResVec * rs.threads * sizeof(float) + stages * slot_bytes;
+}
 
 template <Norm N, typename Tr>
-void res_forward(const ResFwdArgs& a, cudaStream_t stream) {
+void res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
+  ResFwdArgs a = a0;
   const bool pt = (a.gate.ptr && a.gate.sn != 0) || (a.scale.ptr && a.scale.sn != 0) ||
                   (a.shift.ptr && a.shift.sn != 0);
   const RowShape rs = res_row_shape(a.D, a.max_threads);
-  const size_t smem = res_fwd_smem(rs);
+  // x, y and out of r's dtype (the common case): their rows raw in Tr; else each in its own dtype
+  const bool typed = a.xt == dtype_of<Tr>() && a.yt == dtype_of<Tr>() && a.ot == dtype_of<Tr>();
+  const size_t slot = static_cast<size_t>(2) * rs.chunks * kResVec * sizeof(Tr) * rs.threads;
   auto go = [&](auto kernel) {
+    const size_t smem = res_fwd_smem(rs, a.stages, slot);
     int64_t tiles, rows_per_tile;  // (the interleaved order needs only the tile count)
     one_wave(kernel, rs.threads, smem, a.B, a.N, /*interleaved=*/true, tiles, rows_per_tile);
     kernel<<<static_cast<unsigned>(a.B * tiles), rs.threads, smem, stream>>>(a, tiles);
   };
-  // x, y and out of r's dtype (the common case): their rows raw in Tr; else each in its own dtype
-  const bool typed = a.xt == dtype_of<Tr>() && a.yt == dtype_of<Tr>() && a.ot == dtype_of<Tr>();
   with_chunk_count<kResMaxChunks>(rs.chunks, [&](auto chunks) {
     constexpr int kC = decltype(chunks)::value;
     if (typed) {
-      if (pt) go(res_fwd_kernel<N, Tr, kC, true, TypedRows<Tr>>);
-      else go(res_fwd_kernel<N, Tr, kC, false, TypedRows<Tr>>);
+      // the staging ring where the rows are aligned (a.stages: the request, resolved here)
+      auto staged = [&](auto kernel) {
+        a.stages = ring_stages(a.stages, a.aligned, res_fwd_smem(rs), slot, kResStageBytes,
+                               reinterpret_cast<const void*>(kernel), 80);
+        if (a.stages > 0) go(kernel);
+        return a.stages > 0;
+      };
+      using IO = TypedRows<Tr>;
+      if (pt) {
+        if (!staged(res_fwd_kernel<N, Tr, kC, true, IO, true>)) go(res_fwd_kernel<N, Tr, kC, true, IO>);
+      } else {
+        if (!staged(res_fwd_kernel<N, Tr, kC, false, IO, true>)) go(res_fwd_kernel<N, Tr, kC, false, IO>);
+      }
     } else {
+      a.stages = 0;
       if (pt) go(res_fwd_kernel<N, Tr, kC, true, AnyRows>);
       else go(res_fwd_kernel<N, Tr, kC, false, AnyRows>);
     }

@@ -79,6 +79,7 @@ std::vector<Tensor> residual_op_forward(Norm norm, const Tensor& x, const Tensor
   a.B = B, a.N = N, a.D = static_cast<int>(D);
   a.eps = static_cast<float>(eps);
   a.max_threads = t.max_threads;
+  a.stages = t.fwd_stages;
   a.x = x3.data_ptr(), a.xt = to_dtype(x3, "x");
   a.y = y3.data_ptr(), a.yt = to_dtype(y3, "y");
   Tensor gate_rows, scale_rows, shift_rows;
@@ -128,6 +129,7 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
   a.norm = norm;
   a.B = B, a.N = N, a.D = static_cast<int>(D);
   a.max_threads = t.max_threads;
+  a.stages = t.bwd_stages;
   a.two_kernel = t.two_kernel;
   a.r = r3.data_ptr();
   a.dout = dout3.data_ptr(), a.dot = to_dtype(dout3, "dout");

@@ -498,6 +498,44 @@ def test_kernels_opcheck(kernels, norm, gate_layout, modulation):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("norm", sorted(OPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate_layout, x_shape", [
+    ("strided-per-sample", (2, 2048, 1536)),  # many rows a block: the ring wraps around many times
+    ("per-token", (1, 5, 1536)),  # fewer rows a block than slots
+    (None, (1, 33, 5120)),  # two chunks a thread
+])
+def test_kernels_row_staging_matches_loads_at_use(kernels, norm, dtype, gate_layout, x_shape):
+    """The per-thread staging ring (forward: x, y; backward: r, dout, dr, y) at 2, 3 and 8 slots and
+    the kernels' own choice gives r, out, the statistics, dx and dy bit for bit as loading each row at
+    use (stages 0), which test_kernels_match_float64 checks against float64 (here too, at 2 slots).
+    The column sums (dgate, dweight, dbias, dscale, dshift) add the same terms in tiles that depend
+    on the occupancy, which the ring's shared memory changes: equal to within their rounding."""
+    v = make_inputs(norm, x_shape, dtype, gate_layout, "scale+shift", "strided-per-sample", "per-token", True,
+                    seed=4, mod_dtype=torch.float32, device="cuda")
+    dout, dr = (torch.randn(x_shape, device="cuda").to(dtype) for _ in range(2))
+    n_rows = 6 if norm == "layer_norm" else 5  # r, out, [mean,] rstd, dx, dy: the per-row outputs
+
+    def run():
+        r, out, *stats = call(norm, v, dtype, dtype)
+        return [r, out, *stats, *BACKWARDS[norm](*_backward_args(norm, v, dout, dr, r, stats))]
+
+    with _tuning.override(fwd_stages=0, bwd_stages=0):
+        base = run()
+    for stages in (2, 3, 8, "auto"):
+        with _tuning.override(fwd_stages=stages, bwd_stages=stages):
+            got = run()
+        for i, (a, b) in enumerate(zip(base, got)):
+            if i < n_rows:
+                assert torch.equal(a, b), f"stages {stages}: output {i} differs from loads at use"
+            elif a.numel():
+                assert_rel(b, a, 1e-2 if a.dtype == torch.bfloat16 else 1e-5, f"stages {stages}: output {i}")
+    with _tuning.override(fwd_stages=2, bwd_stages=2):
+        check_against_float64(norm, (2, 37, 1536), dtype, gate_layout, "scale+shift", "strided-per-sample",
+                              "per-token", True, seed=5, device="cuda")
+
+
+@pytest.mark.cuda
 def test_kernels_hand_bad_inputs_and_float64_to_the_python_path(kernels):
     """Through the C++ dispatcher kernels: a bad input raises the Python path's ValueError naming the
     tensor; float64 runs the reference (float64 statistics); the kernels still run afterwards."""
