@@ -21,11 +21,14 @@ Models (``--model``; the defaults of the other flags depend on it):
 Both are built with ``torch.manual_seed(0)`` and cast whole to bf16 (``_keep_in_fp32_modules`` is not
 applied; Wan's blocks compute their LayerNorms and modulation in fp32 anyway). The timestep is
 random per sample. Each block of the model's ``_repeated_blocks`` is compiled (``nn.Module.compile``;
-the blocks share one compiled graph), the rest of the model runs eagerly.
+the blocks share one compiled graph), the rest of the model runs eagerly; ``--compile model``
+compiles the whole model instead (one graph: the residual site that ends a block and the next
+block's norm are then in one region).
 
 For each (B, S) of ``--shapes``:
 
-* the chains the backend fused (``collect_reports``; per compiled graph, so per block);
+* the chains the backend fused (``collect_reports``; per compiled graph, so per block, or for the whole
+  model with ``--compile model``);
 * step time: median of ``--rounds`` x ``--steps`` timed steps (forward, an MSE loss against a random
   target, backward; wall clock between device synchronizations) after ``--warmup`` steps (the first
   compiles), the backends alternated round by round (the order rotated every round), the median of
@@ -54,7 +57,7 @@ For each (B, S) of ``--shapes``:
 Writes ``<out>/<model>_step_<tag>.json`` and ``.md`` with the GPU, torch version, date and exact command,
 rewritten after each shape.
 Usage: python benchmarks/bench_dit_step.py --model ltx|wan [--layers N] [--shapes BxS ...] [--backends ...]
-       [--profile] [--tag h200]
+       [--compile blocks|model] [--profile] [--tag h200]
 A check that it runs on a CPU (no profile): ``--device cpu --inner aot_eager --hidden 64 --heads 2
 --layers 1 --shapes 1x48`` (with ``--model wan`` also ``--text-dim 32 --ffn 128``).
 """
@@ -76,6 +79,7 @@ from adaptiveload.fxfuse import collect_reports
 from results_file import run_context, write_json_and_markdown
 
 BACKENDS = ("eager", "inductor", "adaptiveload")
+SCOPES = {"blocks": "each block", "model": "the whole model"}  # --compile: what is compiled
 NORM_SITE_KERNELS = ("adaln", "res_fwd", "res_bwd", "res_reduce", "layer_norm", "rms_norm")
 WAN_TEXT_TOKENS = 512
 WAN_FRAMES = ((90, 160), (60, 104))  # latent H x W of 720x1280 and 480x832 video, tried in this order
@@ -174,11 +178,13 @@ def step(model, inputs, target) -> None:
     torch.nn.functional.mse_loss(out.float(), target).backward()
 
 
-def compiled(model, backend: str, inner: str):
-    """A copy of ``model``, each of its ``_repeated_blocks`` compiled (``nn.Module.compile``) with
-    ``backend`` (``inductor`` means ``inner``, as the backend's inner compiler), none for ``eager``."""
+def compiled(model, backend: str, inner: str, scope: str = "blocks"):
+    """A copy of ``model``, each of its ``_repeated_blocks`` compiled (``nn.Module.compile``; scope
+    ``"model"``: the whole model) with ``backend`` (``inductor`` means ``inner``, as the backend's
+    inner compiler), none for ``eager``."""
     model = copy.deepcopy(model)
-    blocks = [m for m in model.modules() if type(m).__name__ in model._repeated_blocks]
+    blocks = ([model] if scope == "model" else
+              [m for m in model.modules() if type(m).__name__ in model._repeated_blocks])
     for block in blocks:
         if backend == "adaptiveload":
             block.compile(backend="adaptiveload", options={"inner": inner})
@@ -355,7 +361,7 @@ def run_shape(B: int, S: int, model: Model, args) -> dict:
     inputs = cast(inputs32, torch.bfloat16)
     row = {"B": B, "S": S, "grid": model.grid(S)}
     torch._dynamo.reset()
-    models = {name: compiled(base, name, args.inner) for name in args.backends}
+    models = {name: compiled(base, name, args.inner, args.compile) for name in args.backends}
     for name in args.backends:
         row[name] = {"chains_fused": warm_up(models[name], inputs, target, args), "step_ms_all": [],
                      "peak_step_gib": 0.0}
@@ -397,7 +403,8 @@ def markdown(doc: dict) -> str:
     lines = [f"# {doc['title']} training step on {doc['device']} (torch {doc['torch']}, {doc['date']})", "",
              f"Command: `{doc['command']}`", "",
              f"hidden {doc['hidden']} ({doc['heads']} heads), {doc['layers']} layers, text dim {doc['text_dim']}"
-             f"{ffn}, bf16, each block compiled (inner compiler {doc['inner']}); gradients against fp32 eager.", "",
+             f"{ffn}, bf16, {SCOPES[doc.get('compile', 'blocks')]} compiled (inner compiler {doc['inner']}); "
+             "gradients against fp32 eager.", "",
              "| B | S | grid | backend | chains fused | step ms | round medians ms | / Inductor | step peak GiB | "
              "grad err max | params within 5% |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [step_line(r, name) for r in doc["rows"] for name in doc["backends"]]
@@ -426,6 +433,8 @@ def parse_args(argv):
     parser.add_argument("--rounds", type=int, default=3, help="rounds, the backends alternated")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one step of each backend (CUDA only; <model>_profile_<tag>_*.txt)")
+    parser.add_argument("--compile", default="blocks", choices=sorted(SCOPES),
+                        help="compile each of the model's repeated blocks (the train job's way) or the whole model")
     parser.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"),
                         help="the compiler after the backend's rewrite, and the baseline's")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -459,7 +468,7 @@ def main(argv=None) -> int:
                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                "model": args.model, "title": model.title, "hidden": args.hidden, "heads": args.heads,
                "layers": args.layers, "text_dim": args.text_dim, "ffn": getattr(args, "ffn", None),
-               "inner": args.inner, "backends": args.backends, "rows": rows}
+               "inner": args.inner, "compile": args.compile, "backends": args.backends, "rows": rows}
         text = markdown(doc)
         write_json_and_markdown(str(args.out), f"{args.model}_step_{args.tag}", doc, text)
     print(text)
