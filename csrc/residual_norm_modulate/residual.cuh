@@ -83,10 +83,6 @@ struct RowStage {
   static constexpr int kWords = kResVec * sizeof(T) / 16;
   uint4* base;
   int threads, tid;
-  // The bytes of a slot for `threads` threads.
-  static __host__ __device__ size_t slot_bytes(int threads) {
-    return static_cast<size_t>(NT) * C * kWords * 16 * threads;
-  }
   __device__ __forceinline__ uint4* at(int slot, int t, int c, int w) const {
     return base + (((slot * NT + t) * C + c) * kWords + w) * threads + tid;
   }
@@ -109,6 +105,11 @@ struct RowStage {
       for (int w = 0; w < kWords; ++w) reinterpret_cast<uint4*>(&dst[c])[w] = *at(slot, t, c, w);
   }
 };
+// The bytes of one slot of a RowStage of `tensors` row tensors, `chunks` groups a thread, `threads`
+// threads, elements of `elem_bytes`.
+inline size_t res_stage_slot_bytes(int tensors, int chunks, int threads, size_t elem_bytes) {
+  return static_cast<size_t>(tensors) * chunks * kResVec * elem_bytes * threads;
+}
 // Automatic staging: slots for about this many bytes of rows a block.
 constexpr size_t kResStageBytes = 48 * 1024;
 

@@ -371,12 +371,6 @@ void res_bwd_row_kernel_for(const ResBwdArgs& a, bool staged, const F& f) {
   else by_io(AnyRows{});
 }
 
-// The bytes of one slot of the backward's staging ring for a's block shape.
-template <typename Tr>
-size_t res_bwd_slot_bytes(const ResBwdArgs& a) {
-  return static_cast<size_t>(kStCount) * a.chunks * kResVec * sizeof(Tr) * a.threads;
-}
-
 template <Norm N, typename Tr>
 void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
   if (!launch) {
@@ -386,7 +380,8 @@ void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
     a.two_kernel = a.columns() && (a.two_kernel || rs.chunks > kResOnePassChunks);
     // the staging ring: the one-pass kernel with typed, aligned rows (a.stages: the request)
     const bool eligible = a.columns() && !a.two_kernel && a.aligned && res_bwd_typed<Tr>(a);
-    const size_t coef = res_bwd_smem(a.threads, a.chunks), slot = res_bwd_slot_bytes<Tr>(a);
+    const size_t coef = res_bwd_smem(a.threads, a.chunks);
+    const size_t slot = res_stage_slot_bytes(kStCount, a.chunks, a.threads, sizeof(Tr));
     int stages = 0;
     if (eligible) {
       res_bwd_row_kernel_for<N, Tr>(a, true, [&](auto kernel) {
@@ -401,7 +396,8 @@ void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
     return;
   }
   if (!a.aligned) a.stages = 0;  // (the workspace, allocated after the plan, unaligned: never from torch)
-  const size_t smem = res_bwd_smem(a.threads, a.chunks, a.stages, res_bwd_slot_bytes<Tr>(a));
+  const size_t smem = res_bwd_smem(a.threads, a.chunks, a.stages,
+                                   res_stage_slot_bytes(kStCount, a.chunks, a.threads, sizeof(Tr)));
   res_bwd_row_kernel_for<N, Tr>(a, a.stages > 0, [&](auto kernel) {
     kernel<<<static_cast<unsigned>(a.B * a.tiles), a.threads, smem, stream>>>(a);
   });

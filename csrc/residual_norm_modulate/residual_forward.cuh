@@ -203,7 +203,7 @@ void res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
   const RowShape rs = res_row_shape(a.D, a.max_threads);
   // x, y and out of r's dtype (the common case): their rows raw in Tr; else each in its own dtype
   const bool typed = a.xt == dtype_of<Tr>() && a.yt == dtype_of<Tr>() && a.ot == dtype_of<Tr>();
-  const size_t slot = static_cast<size_t>(2) * rs.chunks * kResVec * sizeof(Tr) * rs.threads;
+  const size_t slot = res_stage_slot_bytes(2, rs.chunks, rs.threads, sizeof(Tr));  // x, y
   auto go = [&](auto kernel) {
     const size_t smem = res_fwd_smem(rs, a.stages, slot);
     int64_t tiles, rows_per_tile;  // (the interleaved order needs only the tile count)
