@@ -1,7 +1,8 @@
 // Python bindings of the fused norm -> modulate kernels (forward / backward: LayerNorm, for
 // adaln_modulate; rms_forward / rms_backward: RMSNorm, for rms_norm_modulate; residual_forward /
 // residual_backward and residual_rms_*: the residual ops, whose bodies are in
-// residual_norm_modulate/residual_ops.cu): validate every input
+// residual_norm_modulate/residual_ops.cu; segmented_forward / segmented_backward: the segmented
+// layout of either norm, for adaptiveload/ops/segmented.py): validate every input
 // at the boundary (one TORCH_CHECK per constraint, naming the tensor and what was expected), allocate
 // the outputs and launch on the current stream. The ops' dispatcher kernels for CUDA tensors
 // (norm_modulate_dispatch.cu) call op_forward / op_backward; the bindings serve the ops' Python CUDA
@@ -48,9 +49,8 @@ void launch_backward(const BwdArgs& a, cudaStream_t stream) {
   run_backward_norm(args, true, stream);
 }
 
-void launch_forward(const FwdArgs& a, cudaStream_t stream) {
-  if (a.norm == Norm::RMS) launch_forward_norm<Norm::RMS>(a, stream);
-  else launch_forward_norm<Norm::Layer>(a, stream);
+bool launch_forward(const FwdArgs& a, cudaStream_t stream) {
+  return a.norm == Norm::RMS ? launch_forward_norm<Norm::RMS>(a, stream) : launch_forward_norm<Norm::Layer>(a, stream);
 }
 
 // Torch-side helpers of the CUDA bodies; those declared in norm_modulate_ops.h are shared with the
@@ -118,6 +118,67 @@ bool mod_aligned(const ModView& v, int64_t esize) {
   return v.ptr == nullptr || (aligned16(v.ptr) && (v.sb * esize) % 16 == 0 && (v.sn * esize) % 16 == 0);
 }
 
+// Segmented modulation: [segments, D] rows, unit stride along D, of x viewed as [1, T, D].
+ModView seg_view(const Tensor& m, const Tensor& x, const char* name) {
+  check_same_device(m, x, name);
+  TORCH_CHECK(m.dim() == 2 && m.size(1) == x.size(2) && (m.stride(1) == 1 || m.size(1) == 1),
+              "norm_modulate kernels: segmented ", name, " must be [segments, ", x.size(2),
+              "] with unit stride along D, got shape ", m.sizes(), " strides ", m.strides());
+  ModView v;
+  v.ptr = m.data_ptr();
+  v.sb = m.stride(0);
+  return v;
+}
+
+// segment_ids: int32 / int64 [T], contiguous, on x's device (x viewed as [1, T, D]).
+void check_ids(const Tensor& ids, const Tensor& x) {
+  check_same_device(ids, x, "segment_ids");
+  TORCH_CHECK(x.size(0) == 1, "norm_modulate kernels: a segmented x must be viewed as [1, T, D], got ", x.sizes());
+  TORCH_CHECK((ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong) && ids.dim() == 1 &&
+                  ids.size(0) == x.size(1) && ids.is_contiguous(),
+              "norm_modulate kernels: segment_ids must be a contiguous int32 or int64 [", x.size(1), "], got shape ",
+              ids.sizes(), " dtype ", ids.scalar_type());
+}
+
+namespace {
+// Checks that each segment id lies in [0, segments) and, where `start` is given (BwdArgs::seg_start,
+// its last entry zeroed before), writes each segment's first row and T at [segments] for
+// non-decreasing ids (row i writes the segments from ids[i - 1] + 1 to ids[i], the last row also
+// those after its own, so every entry is written once), and 1 at [segments + 1] where an id is below
+// the one before it. An id out of range stops the kernel with a message naming the row (a
+// device-side error: reading the ids on the host would make it wait for the device).
+template <typename I>
+__global__ void segment_starts_kernel(const I* __restrict__ ids, int64_t T, int64_t segments, int64_t* start) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < T;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t id = ids[i], prev = i > 0 ? static_cast<int64_t>(ids[i - 1]) : -1;
+    if (id < 0 || id >= segments) {
+      printf("adaptiveload: segment_ids[%lld] = %lld lies outside [0, %lld) (the rows of scale)\n",
+             static_cast<long long>(i), static_cast<long long>(id), static_cast<long long>(segments));
+      __trap();
+    }
+    if (start == nullptr) continue;
+    if (id < prev) start[segments + 1] = 1;  // (every writer writes the same value)
+    for (int64_t s = prev + 1; s <= id; ++s) start[s] = i;
+    if (i == T - 1)
+      for (int64_t s = id + 1; s <= segments; ++s) start[s] = T;
+  }
+}
+}  // namespace
+
+// Launches segment_starts_kernel on the current stream (start: nullptr to check only).
+void segment_starts(const Tensor& ids, int64_t segments, int64_t* start) {
+  const int64_t T = ids.size(0);
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((T + threads - 1) / threads, 1024);
+  auto stream = c10::cuda::getCurrentCUDAStream(ids.get_device()).stream();
+  if (ids.scalar_type() == at::kLong)
+    segment_starts_kernel<<<blocks, threads, 0, stream>>>(ids.data_ptr<int64_t>(), T, segments, start);
+  else
+    segment_starts_kernel<<<blocks, threads, 0, stream>>>(ids.data_ptr<int32_t>(), T, segments, start);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void check_mod_dtype(const Tensor& m, const Tensor& x, const char* name) {
   TORCH_CHECK(m.scalar_type() == x.scalar_type() || m.scalar_type() == at::kFloat, "norm_modulate kernels: ", name,
               " must be float32 or x's dtype ", x.scalar_type(), ", got ", m.scalar_type());
@@ -174,9 +235,12 @@ std::string set_tuning(int64_t max_threads, int64_t fwd_stages, int64_t bwd_stag
 // from x viewed as [B, N, D] and its parameters, checked here: the dtypes, the norm, the pointers,
 // the sizes, the block-shape cap and ring slots, and `aligned` as far as these tensors go (the
 // caller adds its own).
+// Segmented layout (`seg`: the segment of each row of x [1, T, D], int32 or int64 [T]): scale and shift
+// are [segments, D] rows (seg_view), read through a.seg.
 template <typename Args>
 void fill_rows(Args& a, Norm norm, const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
-               const Tensor& scale, const optional<Tensor>& shift, int max_threads, int stages) {
+               const Tensor& scale, const optional<Tensor>& shift, int max_threads, int stages,
+               const optional<Tensor>& seg = c10::nullopt) {
   check_x(x, "x");
   const int64_t D = x.size(2);
   a.xt = to_dtype(x, "x");
@@ -191,8 +255,13 @@ void fill_rows(Args& a, Norm norm, const Tensor& x, const optional<Tensor>& weig
   a.x = x.data_ptr();
   a.weight = affine_ptr(weight, x, "weight");
   a.bias = affine_ptr(bias, x, "bias");
-  a.scale = mod_view(scale, x, "scale");
-  if (shift.has_value()) a.shift = mod_view(*shift, x, "shift");
+  a.scale = seg.has_value() ? seg_view(scale, x, "scale") : mod_view(scale, x, "scale");
+  if (shift.has_value()) a.shift = seg.has_value() ? seg_view(*shift, x, "shift") : mod_view(*shift, x, "shift");
+  if (seg.has_value()) {
+    check_ids(*seg, x);
+    a.seg = seg->data_ptr();
+    a.seg64 = seg->scalar_type() == at::kLong;
+  }
   a.B = x.size(0);
   a.N = x.size(1);
   a.D = static_cast<int>(D);
@@ -204,13 +273,16 @@ void fill_rows(Args& a, Norm norm, const Tensor& x, const optional<Tensor>& weig
 }
 
 // {y, mean (undefined for RMSNorm), rstd} of x viewed as [B, N, D]
+// (segmented layout: x [1, T, D], scale and shift [segments, D], seg the ids, checked on the device;
+// {} where its kernel cannot run: the caller's composite path then serves the call)
 std::vector<Tensor> forward_rows(Norm norm, const Tensor& x, const optional<Tensor>& weight,
                                  const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                                 double eps, bool out_fp32) {
+                                 double eps, bool out_fp32, const optional<Tensor>& seg = c10::nullopt) {
   const Tuning t = tuning();
   FwdArgs a;
-  fill_rows(a, norm, x, weight, bias, scale, shift, t.max_threads, t.fwd_stages);
+  fill_rows(a, norm, x, weight, bias, scale, shift, t.max_threads, t.fwd_stages, seg);
   c10::cuda::CUDAGuard guard(x.device());
+  if (seg.has_value()) segment_starts(*seg, scale.size(0), nullptr);
   auto out = at::empty({a.B, a.N, a.D}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
   Tensor mean = norm == Norm::RMS ? Tensor() : at::empty({a.B, a.N}, x.options().dtype(at::kFloat));
   auto rstd = at::empty({a.B, a.N}, x.options().dtype(at::kFloat));
@@ -223,8 +295,9 @@ std::vector<Tensor> forward_rows(Norm norm, const Tensor& x, const optional<Tens
   a.tail_pct = t.tail_pct;
   a.tail_rows = t.tail_rows;
   a.aligned = a.aligned && aligned16(a.y);
-  launch_forward(a, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
+  const bool launched = launch_forward(a, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!launched) return {};  // (segmented layout: see the caller)
   return {out, mean, rstd};
 }
 
@@ -232,12 +305,16 @@ std::vector<Tensor> forward_rows(Norm norm, const Tensor& x, const optional<Tens
 //   dscale: [B, N, D] in scale's dtype when scale is per-token (Nm == N > 1), else fp32 [B, D]
 //           per-sample sums (the caller sums over B for a shared scale);
 //   dshift: likewise, or empty without shift; dweight, dbias: fp32 [D], or empty when absent.
+// Segmented layout (seg given; x [1, T, D]): dscale and dshift fp32 [segments, D]; returns {} (the
+// caller's composite path then serves the call) where its kernel, the one-pass ring kernel, cannot
+// run.
 std::vector<Tensor> backward_rows(Norm norm, const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
                                   const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                                  const optional<Tensor>& mean, const Tensor& rstd) {
+                                  const optional<Tensor>& mean, const Tensor& rstd,
+                                  const optional<Tensor>& seg = c10::nullopt) {
   const Tuning t = tuning();
   BwdArgs a;
-  fill_rows(a, norm, x, weight, bias, scale, shift, t.max_threads, t.bwd_stages);
+  fill_rows(a, norm, x, weight, bias, scale, shift, t.max_threads, t.bwd_stages, seg);
   const int64_t B = a.B, N = a.N, D = a.D;
   check_x(dy, "dy");
   TORCH_CHECK(dy.sizes() == x.sizes(), "norm_modulate kernels (backward): dy shape ", dy.sizes(), " must equal x shape ",
@@ -268,10 +345,11 @@ std::vector<Tensor> backward_rows(Norm norm, const Tensor& dy, const Tensor& x, 
   a.dx = dx.data_ptr();
   const bool scale_pt = a.scale.sn != 0;
   const bool shift_pt = shift.has_value() && a.shift.sn != 0;
-  Tensor dscale = scale_pt ? at::empty({B, N, D}, scale.options()) : at::empty({B, D}, f32);
+  const int64_t rows = seg.has_value() ? scale.size(0) : B;  // modulation rows: samples or segments
+  Tensor dscale = scale_pt ? at::empty({B, N, D}, scale.options()) : at::empty({rows, D}, f32);
   Tensor dshift = !shift.has_value() ? at::empty({0}, f32)
                   : shift_pt         ? at::empty({B, N, D}, shift->options())
-                                     : at::empty({B, D}, f32);
+                                     : at::empty({rows, D}, f32);
   Tensor dweight = weight.has_value() ? at::empty({D}, f32) : at::empty({0}, f32);
   Tensor dbias = bias.has_value() ? at::empty({D}, f32) : at::empty({0}, f32);
   if (scale_pt) a.dscale_el = dscale.data_ptr();
@@ -284,7 +362,18 @@ std::vector<Tensor> backward_rows(Norm norm, const Tensor& dy, const Tensor& x, 
   a.aligned = a.aligned && aligned16(a.dy) && aligned16(a.dx) && (!a.dscale_el || aligned16(a.dscale_el)) &&
               (!a.dshift_el || aligned16(a.dshift_el));
   backward_plan(a);  // after the alignment: the ring (a.stages) needs aligned rows
-  auto ws = at::empty({3, a.tiles, B, D}, f32);
+  Tensor starts;
+  if (seg.has_value()) {
+    if (a.stages == 0 || a.two_kernel) return {};  // (the ring kernel only)
+    a.segments = rows;
+    starts = at::empty({rows + 2}, x.options().dtype(at::kLong));
+    a.seg_start = starts.data_ptr<int64_t>();
+    C10_CUDA_CHECK(cudaMemsetAsync(starts.data_ptr<int64_t>() + rows + 1, 0, sizeof(int64_t),
+                                   c10::cuda::getCurrentCUDAStream(x.get_device()).stream()));
+    segment_starts(*seg, rows, starts.data_ptr<int64_t>());
+  }
+  a.pieces = seg.has_value() ? a.tiles + a.segments : a.tiles * B;  // (the workspace: piece_of)
+  auto ws = at::empty({3, a.pieces, D}, f32);
   a.ws = ws.data_ptr<float>();
   a.aligned = a.aligned && aligned16(a.ws);
   launch_backward(a, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
@@ -428,6 +517,61 @@ std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x,
   return {g[0].view(x.sizes()), or_empty(dweight, x), or_empty(dbias, x), mod_grad(g[1], scale, x), or_empty(dshift, x)};
 }
 
+// The segmented layout (adaptiveload/ops/segmented.py): x [..., D] of T rows, scale and shift
+// [segments, D], segment_ids [T]. Scale and shift as the kernels read them: in their dtype when they
+// agree and it is x's or float32, else float32; unit stride along D.
+std::pair<Tensor, optional<Tensor>> segment_rows(const Tensor& x, const Tensor& scale, const optional<Tensor>& shift) {
+  const at::ScalarType st = scale.scalar_type();
+  const bool keep = (!shift.has_value() || shift->scalar_type() == st) && (st == x.scalar_type() || st == at::kFloat);
+  auto rows = [&](const Tensor& m) {
+    const Tensor r = keep ? m : m.to(at::kFloat);
+    return r.size(1) == 1 || r.stride(1) == 1 ? r : r.contiguous();
+  };
+  optional<Tensor> shift_rows;
+  if (shift.has_value()) shift_rows = rows(*shift);
+  return {rows(scale), shift_rows};
+}
+
+// {y, mean (undefined for RMSNorm), rstd} in x's shape, or {} where the kernel cannot run (unaligned
+// rows, wide rows, no sm_90 ring): the CUDA body of either segmented op's forward
+std::vector<Tensor> op_forward_segmented(Norm norm, const Tensor& x, const optional<Tensor>& weight,
+                                         const optional<Tensor>& bias, const Tensor& scale,
+                                         const optional<Tensor>& shift, const Tensor& segment_ids, double eps,
+                                         at::ScalarType out_dtype) {
+  const int64_t D = x.size(-1);
+  const auto [scale_rows, shift_rows] = segment_rows(x, scale, shift);
+  auto out = forward_rows(norm, x.contiguous().view({1, -1, D}), affine_f32(weight), affine_f32(bias), scale_rows,
+                          shift_rows, eps, out_dtype != x.scalar_type(), segment_ids.contiguous());
+  if (out.empty()) return {};
+  Tensor y = out[0];
+  if (out_dtype != x.scalar_type() && out_dtype != at::kFloat) y = y.to(out_dtype);
+  return {y.view(x.sizes()), out[1].defined() ? out[1].view(stat_shape(x)) : out[1], out[2].view(stat_shape(x))};
+}
+
+// {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (an empty tensor for an absent
+// input), or {} where the one-pass kernel cannot run (backward_rows): the CUDA body of either
+// segmented op's backward (mean: none for RMSNorm)
+std::vector<Tensor> op_backward_segmented(Norm norm, const Tensor& dy_in, const Tensor& x,
+                                          const optional<Tensor>& weight, const optional<Tensor>& bias,
+                                          const Tensor& scale, const optional<Tensor>& shift,
+                                          const Tensor& segment_ids, const optional<Tensor>& mean,
+                                          const Tensor& rstd) {
+  const int64_t D = x.size(-1);
+  const Tensor dy = dy_in.scalar_type() == x.scalar_type() || dy_in.scalar_type() == at::kFloat ? dy_in : dy_in.to(at::kFloat);
+  const auto [scale_rows, shift_rows] = segment_rows(x, scale, shift);
+  optional<Tensor> mean_rows;
+  if (mean.has_value()) mean_rows = stat_rows(*mean);
+  auto g = backward_rows(norm, dy.contiguous().view({1, -1, D}), x.contiguous().view({1, -1, D}), affine_f32(weight),
+                         affine_f32(bias), scale_rows, shift_rows, mean_rows, stat_rows(rstd), segment_ids.contiguous());
+  if (g.empty()) return {};
+  optional<Tensor> dweight, dbias, dshift;
+  if (weight.has_value()) dweight = g[3].to(weight->scalar_type());
+  if (bias.has_value()) dbias = g[4].to(bias->scalar_type());
+  if (shift.has_value()) dshift = g[2].to(shift->scalar_type());
+  return {g[0].view(x.sizes()), or_empty(dweight, x), or_empty(dbias, x), g[1].to(scale.scalar_type()),
+          or_empty(dshift, x)};
+}
+
 }  // namespace adaln
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -503,6 +647,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "shift?, rstd, x_dtype): the CUDA body of adaptiveload::residual_rms_norm_modulate_backward",
         py::arg("dout"), py::arg("dr"), py::arg("r"), py::arg("y"), py::arg("gate"), py::arg("weight"),
         py::arg("scale"), py::arg("shift"), py::arg("rstd"), py::arg("x_dtype"));
+  m.def("segmented_forward",
+        [](const at::Tensor& x, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+           const at::Tensor& scale, const c10::optional<at::Tensor>& shift, const at::Tensor& segment_ids, double eps,
+           at::ScalarType out_dtype, bool rms) {
+          return adaln::op_forward_segmented(rms ? adaln::Norm::RMS : adaln::Norm::Layer, x, weight, bias, scale,
+                                             shift, segment_ids, eps, out_dtype);
+        },
+        "[y, mean (None for RMSNorm), rstd] = segmented_forward(x[...,D], weight?, bias?, scale[n,D], shift?[n,D], "
+        "segment_ids[T], eps, out_dtype, rms): the CUDA body of adaptiveload::{adaln,rms_norm}_modulate_segmented "
+        "(inputs validated by the caller; the ids are checked on the device), or [] where the kernel cannot run",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"), py::arg("segment_ids"),
+        py::arg("eps"), py::arg("out_dtype"), py::arg("rms"));
+  m.def("segmented_backward",
+        [](const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+           const c10::optional<at::Tensor>& bias, const at::Tensor& scale, const c10::optional<at::Tensor>& shift,
+           const at::Tensor& segment_ids, const c10::optional<at::Tensor>& mean, const at::Tensor& rstd) {
+          return adaln::op_backward_segmented(mean.has_value() ? adaln::Norm::Layer : adaln::Norm::RMS, dy, x, weight,
+                                              bias, scale, shift, segment_ids, mean, rstd);
+        },
+        "[dx, dweight, dbias, dscale, dshift] = segmented_backward(dy, x, weight?, bias?, scale, shift?, segment_ids, "
+        "mean (None for RMSNorm), rstd), or [] where the kernel cannot run: the CUDA body of the segmented "
+        "ops' backward",
+        py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"),
+        py::arg("segment_ids"), py::arg("mean"), py::arg("rstd"));
   m.def("set_tuning", &adaln::set_tuning,
         "force kernel choices, process-wide (adaptiveload.ops._tuning.override; benchmarks and tests): "
         "max_threads (0: automatic), fwd_stages / bwd_stages (-1: automatic), store (-1: automatic, 0 threads, "

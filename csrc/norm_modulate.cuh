@@ -9,7 +9,9 @@
 //
 // x is viewed as [B, N, D] (row-major, contiguous); a modulation tensor is addressed as
 //   ptr + batch * sb + token * sn + d        (element strides; sb = 0 when its batch is 1 or it is
-// shared, sn = 0 when it is per-sample or shared), so a strided .chunk() view needs no copy.
+// shared, sn = 0 when it is per-sample or shared), so a strided .chunk() view needs no copy. The
+// segmented layout (packs; FwdArgs::seg) views x as [1, T, D] and reads row n's modulation from row
+// seg[n] of an [n_segments, D] tensor.
 // This header holds no torch types: the .cu files that include it compile fast and in parallel.
 #pragma once
 
@@ -84,6 +86,11 @@ struct FwdArgs {
   int tail_pct = -1;
   int tail_rows = 8;
   int64_t main_rows = 0, tail_blocks = 0;
+  // Segmented layout (packs; per-sample or shared modulation only): x is one sequence (B = 1) of
+  // samples of different lengths, and row n takes the modulation row seg[n] (scale.sb / shift.sb:
+  // the stride between those rows). nullptr: the [B, N, D] layout above.
+  const void* seg = nullptr;
+  bool seg64 = false;  // seg holds int64 (else int32)
 };
 
 struct BwdArgs {
@@ -116,6 +123,14 @@ struct BwdArgs {
   int max_threads = 0;  // as FwdArgs::max_threads
   int stages = 0;  // rows (x and dy) of the row kernel's shared-memory ring, as FwdArgs::stages
   int threads = 0, chunks = 0;  // the row kernel's block: threads, 16-byte chunks a thread (backward_plan)
+  // Segmented layout, as FwdArgs::seg (the one-pass ring kernel only). seg_start [segments + 2]:
+  // with non-decreasing ids the first row of each segment, then T (the final reduction's pieces);
+  // last, 0 when the ids never decrease, else 1 (then seg_col_kernel sums each segment instead)
+  const void* seg = nullptr;
+  bool seg64 = false;
+  const int64_t* seg_start = nullptr;
+  int64_t segments = 0;
+  int64_t pieces = 0;  // workspace rows a plane (column_pieces), set by the host after backward_plan
 };
 
 // Threads per block and 16-byte chunks per thread for a row of D elements of x's dtype.
@@ -152,7 +167,8 @@ int ring_stages(int requested, bool eligible, size_t fixed_bytes, size_t slot_by
                 const void* ring_kernel, int min_arch = 90);
 int max_features(DType xt);
 
-void launch_forward(const FwdArgs& a, cudaStream_t stream);  // by a.norm
+// by a.norm; false (nothing launched) only for the segmented layout where its kernel cannot run
+bool launch_forward(const FwdArgs& a, cudaStream_t stream);
 // What the launchers' choices read of the current device, queried once per device.
 struct DeviceProps {
   int sms = 1;         // streaming multiprocessors
@@ -168,7 +184,7 @@ void launch_backward(const BwdArgs& a, cudaStream_t stream);  // by a.norm
 // <op>_backward_{f32,bf16,f16}.cu, so that they compile in parallel.
 // run_backward: launch == false only plans (sets a.tiles, a.rows_per_tile, ...).
 template <Norm N>
-void launch_forward_norm(const FwdArgs& a, cudaStream_t stream);
+bool launch_forward_norm(const FwdArgs& a, cudaStream_t stream);
 template <Norm N, typename Tx>
 void run_backward(BwdArgs& a, bool launch, cudaStream_t stream);
 
@@ -640,25 +656,57 @@ struct AnyRows {
   }
 };
 
-// The final column reduction's sum for one sample b, in a (32, 16) block: thread (tx, ty) sums
-// tiles ty, ty + 16, ... of column d of each plane k that `use` marks (the workspace is
-// [planes, tiles, B, D], `plane` floats apart), then every thread adds the 16 partial sums in a
-// fixed order into s[k] (0 for unmarked planes and d >= D). Every thread of the block must call it
-// (two barriers; `part` is free again when it returns). Deterministic: no atomics.
+// The segment of row n (FwdArgs::seg).
+__device__ __forceinline__ int64_t seg_of(const void* seg, bool seg64, int64_t n) {
+  return seg64 ? static_cast<const int64_t*>(seg)[n] : static_cast<const int32_t*>(seg)[n];
+}
+
+// The backward's workspace: [planes, pieces, D] fp32 column partial sums, one piece per (row tile,
+// sample) that a block of the row kernel sums. Per-sample layout: tile t of sample b is piece
+// t * B + b (pieces = tiles * B). Segmented layout (tiles of consecutive rows of the whole pack, cut
+// where the segment changes): the part of tile t in segment s is piece t + s (pieces = tiles +
+// segments): with non-decreasing ids, each step to the next part in row order moves to the next
+// tile, the next segment or both, so t + s never repeats. Sample b's pieces: first, first + stride,
+// ... (count of them).
+struct Pieces {
+  int64_t first, count, stride;
+};
+__host__ __device__ inline int64_t piece_of(int64_t tile, int64_t b, int64_t B, bool segmented) {
+  return segmented ? tile + b : tile * B + b;
+}
+// Ids in any other order: seg_col_kernel leaves segment s's sums in piece s. seg_start: nullptr
+// (per-sample layout) or BwdArgs::seg_start of `segments` segments.
+__device__ __forceinline__ bool ids_sorted(const int64_t* seg_start, int64_t segments) {
+  return seg_start[segments + 1] == 0;
+}
+__device__ __forceinline__ Pieces column_pieces(int64_t b, int64_t tiles, int64_t B, const int64_t* seg_start,
+                                                int64_t segments, int64_t rows_per_tile) {
+  if (seg_start == nullptr) return {b, tiles, B};
+  if (!ids_sorted(seg_start, segments)) return {b, 1, 1};
+  const int64_t r0 = seg_start[b], r1 = seg_start[b + 1];
+  if (r0 >= r1) return {0, 0, 1};  // a segment without rows: zeros
+  const int64_t t0 = r0 / rows_per_tile, t1 = (r1 - 1) / rows_per_tile;
+  return {t0 + b, t1 - t0 + 1, 1};
+}
+
+// The final column reduction's sum for one sample (or segment), in a (32, 16) block: thread (tx, ty)
+// sums pieces ty, ty + 16, ... of `p` in column d of each plane k that `use` marks (`plane` floats
+// apart), then every thread adds the 16 partial sums in a fixed order into s[k] (0 for unmarked
+// planes, d >= D and no pieces). Every thread of the block must call it (two barriers; `part` is free
+// again when it returns). Deterministic: no atomics.
 template <int NP>
-__device__ __forceinline__ void tile_column_sums(const float* __restrict__ ws, int64_t plane, int64_t tiles, int64_t B,
-                                                 int D, int64_t b, int d, const bool (&use)[NP],
-                                                 float (&part)[NP][16][33], float (&s)[NP]) {
+__device__ __forceinline__ void tile_column_sums(const float* __restrict__ ws, int64_t plane, Pieces p, int D, int d,
+                                                 const bool (&use)[NP], float (&part)[NP][16][33], float (&s)[NP]) {
   const int tx = threadIdx.x, ty = threadIdx.y;
   float q[NP];
 #pragma unroll
   for (int k = 0; k < NP; ++k) q[k] = 0.f;
   if (d < D) {
-    for (int64_t t = ty; t < tiles; t += 16) {
-      const float* p = ws + (t * B + b) * D + d;
+    for (int64_t i = ty; i < p.count; i += 16) {
+      const float* w = ws + (p.first + i * p.stride) * D + d;
 #pragma unroll
       for (int k = 0; k < NP; ++k)
-        if (use[k]) q[k] += p[k * plane];
+        if (use[k]) q[k] += w[k * plane];
     }
   }
 #pragma unroll

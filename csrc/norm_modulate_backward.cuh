@@ -22,6 +22,12 @@
 // a.stages slots in shared memory filled by bulk copies a.stages rows ahead (as the forward's RING),
 // instead of the one-row register prefetch; a slot is refilled after the row's block reduction.
 //
+// Segmented layout (SEG, the ring kernel only; BwdArgs::seg): a pack as one sequence. With ids that
+// never decrease, a tile is cut where the segment changes and each part's P0, P1 go to their own
+// workspace piece (piece_of); the final reduction sums each segment's pieces. With ids in any other
+// order (flagged on the device by the id kernel) the row kernel writes dx only and seg_col_kernel
+// sums each segment's rows in row order.
+//
 // Two kernels (the reference design, forced by BwdArgs::two_kernel; also taken for per-sample/shared
 // rows too wide for the ring, see kBwdRingElems): the row kernel computes dx only, and a column
 // kernel over (d_tile, row tile, sample) re-reads x and dy for the partials: 5 x-sized tensors move
@@ -53,8 +59,9 @@ constexpr int bwd_ring_chunks_per_token() {
   return N == Norm::RMS && sizeof(Tx) == 2 ? 1 : kBwdRingElemsPerToken / (16 / static_cast<int>(sizeof(Tx)));
 }
 
-template <Norm N, typename Tx, typename Tm, typename Tdy, int C, bool SPT, bool RING>
+template <Norm N, typename Tx, typename Tm, typename Tdy, int C, bool SPT, bool RING, bool SEG = false>
 __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
+  static_assert(!SEG || (RING && !SPT), "the segmented layout takes the ring kernel with per-sample rows");
   constexpr bool RMS = N == Norm::RMS;
   constexpr int NS = RMS ? 1 : 2;  // row sums: [sum g,] sum g * x_hat
   const int64_t rows_per_tile = a.rows_per_tile;
@@ -71,7 +78,8 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   // rows wider than the one-pass limit always take the two-kernel design (see kBwdRingElems): their
   // column partials are compiled out, so the dx-only kernel keeps its rows in registers
   constexpr bool kOnePass = SPT || C <= bwd_ring_chunks<Tx>();
-  const bool al = a.aligned, accum = kOnePass && !a.two_kernel;
+  // (segmented layout with ids out of order: dx only, seg_col_kernel sums the segments)
+  const bool al = a.aligned, accum = kOnePass && !a.two_kernel && (!SEG || ids_sorted(a.seg_start, a.segments));
   const Tx* __restrict__ x = static_cast<const Tx*>(a.x);
   const Tdy* __restrict__ dy = static_cast<const Tdy*>(a.dy);
   Tx* __restrict__ dx = static_cast<Tx*>(a.dx);
@@ -100,18 +108,41 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   RingCursor cur{full, S};
   if constexpr (RING) cur.start(n0, n1, fetch);
   float p0[C][VEC], p1[C][VEC], p2[C][VEC];
-#pragma unroll
-  for (int c = 0; c < C; ++c) {
+  // Chunk c of coef for modulation row m (0, or the segment: sc already points at sample b's row)
+  auto coef_chunk = [&](int c, int64_t m, float (&w)[VEC]) {
     const int col = (c * T + tid) * VEC;
-    float w[VEC], s[VEC];
+    float s[VEC];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) w[j] = 1.f, s[j] = 0.f, p0[c][j] = p1[c][j] = p2[c][j] = 0.f;
+    for (int j = 0; j < VEC; ++j) w[j] = 1.f, s[j] = 0.f;
     if (col < D) {
       if (a.weight) load_f<float, VEC>(a.weight, col, D, al, w);
-      if (!SPT) load_f<Tm, VEC>(sc, col, D, al, s);
+      if (!SPT) load_f<Tm, VEC>(sc + m * a.scale.sb, col, D, al, s);
     }
 #pragma unroll
     for (int j = 0; j < VEC; ++j) w[j] *= 1.f + s[j];
+  };
+  // The workspace (kernel doc): plane by plane, this block's partials of sample b or of a segment
+  const int64_t plane = a.pieces * D;
+  const bool w0 = !SPT || a.weight, w1 = !SPT || a.bias, w2 = SPT && a.dshift_rows;
+  auto flush = [&](int c, int64_t piece) {  // chunk c's partials into the piece
+    const int col = (c * T + tid) * VEC;
+    if (col >= D) return;
+    float* ws = a.ws + piece * static_cast<int64_t>(D);
+    if (w0) store_f<float, VEC>(ws, col, D, al, p0[c]);
+    if (w1) store_f<float, VEC>(ws + plane, col, D, al, p1[c]);
+    if (w2) store_f<float, VEC>(ws + 2 * plane, col, D, al, p2[c]);
+  };
+  // Segmented layout (SEG): the tile's rows are cut where the segment
+  // changes, each part's partials flushed to its own piece and the coefficients recomputed (each
+  // thread its own columns: no barrier)
+  int64_t seg_cur = SEG ? seg_of(a.seg, a.seg64, n0) : 0, seg_next = seg_cur;  // (the next row's, read a row ahead)
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int col = (c * T + tid) * VEC;
+    float w[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) p0[c][j] = p1[c][j] = p2[c][j] = 0.f;
+    coef_chunk(c, seg_cur, w);
     coef.store(c, w);
     if (SPT) {
       float bb[VEC];
@@ -139,6 +170,22 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   load_row(n0);
 
   for (int64_t n = n0; n < n1; ++n) {
+    if constexpr (SEG) {  // at the top of the row, where few registers are live
+      const int64_t m = seg_next;
+      if (n + 1 < n1) seg_next = seg_of(a.seg, a.seg64, n + 1);
+      if (m != seg_cur) {  // the previous segment's part of the tile is complete
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          float w[VEC];
+          if (accum) flush(c, piece_of(tile, seg_cur, a.B, true));
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) p0[c][j] = p1[c][j] = 0.f;
+          coef_chunk(c, m, w);
+          coef.store(c, w);
+        }
+        seg_cur = m;
+      }
+    }
     // The current row stays in its storage type (half the registers of fp32 for 16-bit types);
     // x_hat and g are recomputed from it after the barrier instead of being held across it.
     const float mean = nmean, rstd = nrstd;
@@ -220,17 +267,9 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   }
 
   if (!accum) return;
-  const int64_t plane = tiles * a.B * D;
-  float* ws = a.ws + (tile * a.B + b) * static_cast<int64_t>(D);
-  const bool w0 = !SPT || a.weight, w1 = !SPT || a.bias, w2 = SPT && a.dshift_rows;
+  const int64_t piece = piece_of(tile, SEG ? seg_cur : b, a.B, SEG);
 #pragma unroll
-  for (int c = 0; c < C; ++c) {
-    const int col = (c * T + tid) * VEC;
-    if (col >= D) continue;
-    if (w0) store_f<float, VEC>(ws, col, D, al, p0[c]);
-    if (w1) store_f<float, VEC>(ws + plane, col, D, al, p1[c]);
-    if (w2) store_f<float, VEC>(ws + 2 * plane, col, D, al, p2[c]);
-  }
+  for (int c = 0; c < C; ++c) flush(c, piece);
 }
 
 // Reference design's column kernel: grid (ceil(D / 32), tiles, B), block (32, 8); thread (tx, ty)
@@ -272,11 +311,47 @@ __global__ void __launch_bounds__(256) bwd_col_kernel(const BwdArgs a) {
   if (ty == 0 && d < a.D) {
     float r0 = 0.f, r1 = 0.f, r2 = 0.f;
     for (int k = 0; k < 8; ++k) r0 += part[0][k][tx], r1 += part[1][k][tx], r2 += part[2][k][tx];
-    const int64_t plane = a.tiles * a.B * a.D;
-    float* ws = a.ws + (tile * a.B + b) * a.D + d;
+    const int64_t plane = a.pieces * a.D;
+    float* ws = a.ws + piece_of(tile, b, a.B, false) * a.D + d;
     ws[0] = r0;
     ws[plane] = r1;
     ws[2 * plane] = r2;
+  }
+}
+
+// The segmented layout's column sums when the ids are out of order (ids_sorted false; otherwise the
+// kernel returns at once): grid ceil(D / 32), one warp a block, thread tx owning feature
+// d = 32 * blockIdx.x + tx; the rows are read in order and each added to its segment's accumulators
+// in shared memory (kSegColSegments segments a pass, as many passes as needed), so every sum has a
+// fixed order. Leaves P0 = sum dy * x_hat and P1 = sum dy of segment s in piece s of the workspace
+// (column_pieces). Slow (one warp streams all rows of 32 features), but only ids that are not a
+// pack's take it.
+constexpr int kSegColSegments = 128;
+template <Norm N, typename Tx, typename Tdy>
+__global__ void __launch_bounds__(32) seg_col_kernel(const BwdArgs a) {
+  if (ids_sorted(a.seg_start, a.segments)) return;
+  __shared__ float acc[2][kSegColSegments][32];
+  const int tx = threadIdx.x, d = blockIdx.x * 32 + tx;
+  const Tx* __restrict__ x = static_cast<const Tx*>(a.x);
+  const Tdy* __restrict__ dy = static_cast<const Tdy*>(a.dy);
+  const int64_t plane = a.pieces * a.D, T = a.N;
+  for (int64_t s0 = 0; s0 < a.segments; s0 += kSegColSegments) {
+    for (int i = 0; i < kSegColSegments; ++i) acc[0][i][tx] = acc[1][i][tx] = 0.f;
+    if (d < a.D) {
+      for (int64_t n = 0; n < T; ++n) {
+        const int64_t s = seg_of(a.seg, a.seg64, n) - s0;
+        if (s < 0 || s >= kSegColSegments) continue;
+        const float mean = N == Norm::RMS ? 0.f : a.mean[n];
+        const float xh = (to_f<Tx>(x[n * a.D + d]) - mean) * a.rstd[n];
+        const float g = to_f<Tdy>(dy[n * a.D + d]);
+        acc[0][s][tx] += g * xh;
+        acc[1][s][tx] += g;
+      }
+      for (int64_t s = s0; s < min(a.segments, s0 + kSegColSegments); ++s) {
+        a.ws[s * a.D + d] = acc[0][s - s0][tx];
+        a.ws[plane + s * a.D + d] = acc[1][s - s0][tx];
+      }
+    }
   }
 }
 
@@ -289,15 +364,16 @@ __global__ void __launch_bounds__(512) bwd_reduce_kernel(const BwdArgs a) {
   __shared__ float part[3][16][33];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int d = blockIdx.x * 32 + tx;
-  const int64_t plane = a.tiles * a.B * a.D;
+  const int64_t plane = a.pieces * a.D;
   const bool use[3] = {!SPT || a.weight != nullptr, !SPT || a.bias != nullptr, SPT && a.dshift_rows != nullptr};
   const Tm* sc = static_cast<const Tm*>(a.scale.ptr);
   const float w = (a.weight && d < a.D) ? a.weight[d] : 1.f;
   const float bb = (a.bias && d < a.D) ? a.bias[d] : 0.f;
   float dw = 0.f, db = 0.f;
-  for (int64_t b = 0; b < a.B; ++b) {
+  const int64_t samples = a.seg ? a.segments : a.B;  // (segmented: per segment)
+  for (int64_t b = 0; b < samples; ++b) {
     float s[3];
-    tile_column_sums<3>(a.ws, plane, a.tiles, a.B, a.D, b, d, use, part, s);
+    tile_column_sums<3>(a.ws, plane, column_pieces(b, a.tiles, a.B, a.seg_start, a.segments, a.rows_per_tile), a.D, d, use, part, s);
     if (ty == 0 && d < a.D) {
       if (!SPT) {
         const float f = 1.f + to_f<Tm>(sc[b * a.scale.sb + d]);
@@ -332,6 +408,9 @@ struct BwdKernels {
   static constexpr bool kRing = C <= (SPT ? bwd_ring_chunks_per_token<N, Tx>() : bwd_ring_chunks<Tx>());
   template <typename F>
   static void with_kernel(const BwdArgs& a, const F& f) {  // the ring's row kernel, or the register one
+    if constexpr (kRing && !SPT) {
+      if (a.seg && a.stages > 0) return f(bwd_row_kernel<N, Tx, Tm, Tdy, C, false, true, true>);
+    }
     if constexpr (kRing) {
       if (a.stages > 0) return f(bwd_row_kernel<N, Tx, Tm, Tdy, C, SPT, true>);
     }
@@ -358,6 +437,9 @@ struct BwdKernels {
       dim3 grid((a.D + 31) / 32, static_cast<unsigned>(a.tiles), static_cast<unsigned>(a.B));
       bwd_col_kernel<N, Tx, Tm, Tdy, SPT><<<grid, dim3(32, 8), 0, stream>>>(a);
     }
+    if constexpr (!SPT) {
+      if (a.seg) seg_col_kernel<N, Tx, Tdy><<<(a.D + 31) / 32, 32, 0, stream>>>(a);
+    }
     bwd_reduce_kernel<Tm, SPT><<<(a.D + 31) / 32, dim3(32, 16), 0, stream>>>(a);
   }
 };
@@ -381,6 +463,7 @@ void bwd_run(BwdArgs& a, bool launch, cudaStream_t stream) {
   const RowShape ring =
       ring_row_shape(a.D, a.xt, a.max_threads, SPT ? bwd_ring_chunks_per_token<N, Tx>() : bwd_ring_chunks<Tx>());
   plan(ring);
+  if (a.seg) return;  // the segmented layout: the ring kernel or nothing (a.stages == 0)
   if (a.stages == 0 && (ring.threads != regs.threads || ring.chunks != regs.chunks)) plan(regs);
   if (!SPT && a.chunks > bwd_ring_chunks<Tx>()) a.two_kernel = true;  // see kBwdRingElems
 }

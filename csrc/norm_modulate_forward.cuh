@@ -20,6 +20,10 @@
 // KERNEL_NOTES.md, v3.) RMSNorm has one reduction, the mean of squares, and so one barrier a row;
 // the ring's slot is released after it.
 //
+// Segmented layout (FwdArgs::seg: a pack, B = 1): the rows' segments are read with the rows, and a
+// thread recomputes its coefficients where the segment changes (a few times a block with
+// non-decreasing ids).
+//
 // RING (sm_90; aligned rows): rows come through a ring of a.stages slots in shared memory instead
 // of the register prefetch, filled by bulk copies that thread 0 issues a.stages rows ahead; the
 // copy engine keeps a.stages - 1 rows per block in flight without registers (Little's law asks for
@@ -37,8 +41,9 @@
 
 namespace adaln {
 
-template <Norm N, typename Tx, typename Tm, typename To, int C, bool PT, bool RING>
+template <Norm N, typename Tx, typename Tm, typename To, int C, bool PT, bool RING, bool SEG = false>
 __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64_t tiles) {
+  static_assert(!SEG || (RING && !PT), "the segmented layout takes the ring kernel with per-sample rows");
   constexpr bool RMS = N == Norm::RMS;
   constexpr int VEC = 16 / sizeof(Tx);
   __shared__ float red[2 * 1 * 32];
@@ -100,23 +105,33 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   const bool bulk_y = kBulkY && a.store == 1 && S >= 3;
   auto y_row = [&](int64_t k) { return y + (b * a.N + row(k)) * static_cast<int64_t>(D); };
   auto slot_back = [&](int back) { return cur.slot - back < 0 ? cur.slot - back + S : cur.slot - back; };
-#pragma unroll
-  for (int c = 0; c < C; ++c) {  // (with the ring: while the first rows land)
+  // Chunk c of the coefficients of modulation row m (0, or the segment: sc and sh already point at
+  // sample b's row), computed into w (alpha) and bb (beta).
+  auto coef_chunk = [&](int c, int64_t m, float (&w)[VEC], float (&bb)[VEC]) {
     const int col = (c * T + tid) * VEC;
-    float w[VEC], bb[VEC], s[VEC], h[VEC];
+    float s[VEC], h[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) w[j] = 1.f, bb[j] = 0.f, s[j] = 0.f, h[j] = 0.f;
     if (col < D) {
       if (a.weight) load_f<float, VEC>(a.weight, col, D, al, w);
       if (a.bias) load_f<float, VEC>(a.bias, col, D, al, bb);
-      if (!s_row) load_f<Tm, VEC>(sc, col, D, al, s);
-      if (sh && !h_row) load_f<Tm, VEC>(sh, col, D, al, h);
+      if (!s_row) load_f<Tm, VEC>(sc + m * a.scale.sb, col, D, al, s);
+      if (sh && !h_row) load_f<Tm, VEC>(sh + m * a.shift.sb, col, D, al, h);
     }
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       w[j] = w[j] * (1.f + s[j]);
       bb[j] = bb[j] * (1.f + s[j]) + h[j];
     }
+  };
+  // Segmented layout (SEG): the coefficients of the current row's segment; where the segment
+  // changes each thread recomputes its own columns (no barrier: no thread reads another's), at the
+  // top of the row, where few registers are live; the next row's segment is read a row ahead.
+  int64_t seg_cur = SEG ? seg_of(a.seg, a.seg64, row(0)) : 0, seg_next = seg_cur;
+#pragma unroll
+  for (int c = 0; c < C; ++c) {  // (with the ring: while the first rows land)
+    float w[VEC], bb[VEC];
+    coef_chunk(c, seg_cur, w, bb);
     alpha.store(c, w);
     beta.store(c, bb);
   }
@@ -131,6 +146,20 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
 
   for (int64_t k = 0; k < count; ++k) {
     const int64_t n = row(k);
+    if constexpr (SEG) {
+      const int64_t m = seg_next;
+      if (k + 1 < count) seg_next = seg_of(a.seg, a.seg64, row(k + 1));
+      if (m != seg_cur) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          float w[VEC], bb[VEC];
+          coef_chunk(c, m, w, bb);
+          alpha.store(c, w);
+          beta.store(c, bb);
+        }
+        seg_cur = m;
+      }
+    }
     Raw<Tx, VEC> rx[C];
     char* const slot_k = ring + cur.slot * stride;  // (RING) this row's slot
     if constexpr (RING) {
@@ -281,8 +310,9 @@ constexpr size_t kFwdTailRowBytes = 4 * 1024;
 constexpr int64_t kMaxGridX = 2147483647;  // blocks a 1-D grid may have
 constexpr int kFwdTailPctNarrow = 10, kFwdTailPctWide = 5;
 
+// Whether it launched: false only for the segmented layout where the ring cannot run.
 template <Norm N, typename Tx, typename Tm, typename To>
-void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
+bool fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
   const bool pt = a0.scale.sn != 0 || (a0.shift.ptr && a0.shift.sn != 0);
   const size_t slot = ring_stride(a0.D, sizeof(Tx)) + (pt ? mod_rows(a0).count() : 0) * ring_stride(a0.D, sizeof(Tm));
   // y through the ring slot (per-sample or shared modulation, y of x's element size; the kernel
@@ -312,6 +342,20 @@ void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
   const int ring_chunks = pt ? kRingChunksPerToken : kRingChunks;
   const RowShape ring = ring_row_shape(a0.D, a0.xt, a0.max_threads, ring_chunks);
   bool ran = false;
+  if (a0.seg) {  // the segmented layout: the ring kernel only (else not taken)
+    if (pt || ring.chunks > kRingChunks) return false;
+    with_chunk_count<kRingChunks>(ring.chunks, [&](auto chunks) {
+      constexpr int kC = decltype(chunks)::value;
+      auto kernel = fwd_kernel<N, Tx, Tm, To, kC, false, true, true>;
+      const size_t coef = coef_smem_bytes(2, kC, ring.threads, a0.xt);
+      const int requested = bulk && a0.stages < 0 ? kBulkStoreStages : a0.stages;
+      const int stages = ring_stages(requested, a0.aligned, coef, slot, kFwdRingBytes,
+                                     reinterpret_cast<const void*>(kernel));
+      if (stages > 0) go(kernel, ring, stages);
+      ran = stages > 0;
+    });
+    return ran;
+  }
   if (ring.chunks <= ring_chunks) {
     with_chunk_count(ring.chunks, [&](auto chunks) {
       constexpr int kC = decltype(chunks)::value;
@@ -331,30 +375,31 @@ void fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
       }
     });
   }
-  if (ran) return;
+  if (ran) return true;
   const RowShape rs = row_shape(a0.D, a0.xt, a0.max_threads);
   with_chunk_count(rs.chunks, [&](auto chunks) {
     constexpr int kC = decltype(chunks)::value;
     if (pt) go(fwd_kernel<N, Tx, Tm, To, kC, true, false>, rs, 0);
     else go(fwd_kernel<N, Tx, Tm, To, kC, false, false>, rs, 0);
   });
+  return true;
 }
 
 template <Norm N, typename Tx>
-void fwd_x(const FwdArgs& a, cudaStream_t stream) {
+bool fwd_x(const FwdArgs& a, cudaStream_t stream) {
   const bool m32 = a.mt == DType::F32, o32 = a.ot == DType::F32;
-  if (m32 && o32) fwd_typed<N, Tx, float, float>(a, stream);
-  else if (m32) fwd_typed<N, Tx, float, Tx>(a, stream);
-  else if (o32) fwd_typed<N, Tx, Tx, float>(a, stream);
-  else fwd_typed<N, Tx, Tx, Tx>(a, stream);
+  if (m32 && o32) return fwd_typed<N, Tx, float, float>(a, stream);
+  if (m32) return fwd_typed<N, Tx, float, Tx>(a, stream);
+  if (o32) return fwd_typed<N, Tx, Tx, float>(a, stream);
+  return fwd_typed<N, Tx, Tx, Tx>(a, stream);
 }
 
 template <Norm N>
-void launch_forward_norm(const FwdArgs& a, cudaStream_t stream) {
+bool launch_forward_norm(const FwdArgs& a, cudaStream_t stream) {
   switch (a.xt) {
-    case DType::F32: fwd_typed<N, float, float, float>(a, stream); break;
-    case DType::BF16: fwd_x<N, __nv_bfloat16>(a, stream); break;
-    case DType::F16: fwd_x<N, __half>(a, stream); break;
+    case DType::F32: return fwd_typed<N, float, float, float>(a, stream);
+    case DType::BF16: return fwd_x<N, __nv_bfloat16>(a, stream);
+    default: return fwd_x<N, __half>(a, stream);
   }
 }
 

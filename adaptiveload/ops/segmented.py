@@ -4,7 +4,8 @@
     x            [..., D] (2+ dims) of T = x.numel() // D rows: samples of different lengths packed
                  into one sequence ([1, T, D] or [T, D]);
     segment_ids  int32 or int64 [T], on x's device: the segment of each row, in [0, n), in any order
-                 (a segment may have no rows);
+                 (a segment may have no rows; a pack's are non-decreasing, which the CUDA kernels'
+                 fast path needs);
     scale, shift [n, D], any strides (a ``.chunk()`` of [n, k*D], ``m[:, i]`` of [n, k, D]); shift
                  optional, with scale's n.
 
@@ -15,18 +16,24 @@ Gathering ``scale[segment_ids]`` in the model and calling the base op makes auto
 per-token tensor until backward; the segmented ops keep only their inputs (the compact scale and
 shift, segment_ids) and the statistics (:func:`adaptiveload.ops.common.differentiable`).
 
-Kernels (CompositeExplicitAutograd, so the base ops below them dispatch to the CUDA kernels on a GPU):
-the forward gathers the per-token modulation transiently (``index_select``, in float32, or float64
-for float64 modulation: a 16-bit scale widens exactly, and the CUDA kernels take float32
-modulation with 16-bit x) and calls the base op; the backward gathers again, calls the base
-backward op and sums each per-token modulation gradient over its segment (:func:`segment_sum`:
-deterministic, no atomics).
+Kernels. On CUDA, the norm -> modulate ops (LayerNorm, RMSNorm) run the segmented CUDA kernels
+(``csrc/norm_modulate*``: each row reads its segment's modulation row; with non-decreasing ids the
+backward cuts each row tile where the segment changes and sums each segment's parts in a fixed
+order; with ids in any other order a slower column kernel sums each segment's rows in row order;
+no atomics either way, and the choice is made on the device) where they apply: x of a kernel dtype
+with aligned rows, the sm_90 row ring, modulation in x's dtype or float32. Every other call, and the residual ops, take the composite (CompositeExplicitAutograd, so
+the base ops below it dispatch to the CUDA kernels on a GPU): the forward gathers the per-token
+modulation transiently (``index_select``, in float32, or float64 for float64 modulation: a 16-bit
+scale widens exactly, and the CUDA kernels take float32 modulation with 16-bit x) and calls the
+base op; the backward gathers again, calls the base backward op and sums each per-token
+modulation gradient over its segment (:func:`segment_sum`: deterministic, no atomics).
 
 Validation: each kernel checks the shapes, dtypes and devices once per signature
 (:func:`adaptiveload.ops.common.validate`), the fake kernels on every trace. The values of
-segment_ids are checked on CPU only, on every call: on CUDA reading them would make the host wait
-for the device, and an id out of [0, n) trips ``index_select``'s device-side assert instead of a
-``ValueError``.
+segment_ids are checked on CPU on every call (``ValueError``); on CUDA reading them would make the
+host wait for the device, so the kernels check them on the device: an id outside [0, n) stops the
+kernel with a message naming its row (a device-side error, as ``index_select``'s assert in the
+composite).
 
 Each family's ``op.py`` defines its two schemas (``common.define``) and calls :func:`register`.
 """
@@ -40,7 +47,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from adaptiveload.ops import common
+from adaptiveload.ops import common, extension
 from adaptiveload.ops.common import describe
 
 ID_DTYPES = (torch.int32, torch.int64)
@@ -168,10 +175,16 @@ def register(lib: torch.library.Library, base: str, params: tuple[str, ...], sta
         check_backward_inputs(f"{name}_backward", dy, x, dict(zip(params, args[:k])), *args[k:k + 3],
                               dict(zip(stats, args[k + 3:])))
 
+    rms = "mean" not in stats  # (RMSNorm keeps no per-row mean)
+
     def forward(x, *args):
         *affine, scale, shift, segment_ids, eps, out_dtype = args
         common.validate(check_forward, (x, *affine, scale, shift, segment_ids), out_dtype, eps)
         check_ids(name, segment_ids, scale.shape[0])
+        ops = _kernels(x, affine, scale, shift)
+        out = ops.segmented_forward(x, *_weight_bias(affine), scale, shift, segment_ids, eps, out_dtype, rms) if ops else []
+        if out:  # [y, mean (None for RMSNorm), rstd]
+            return (out[0], out[2]) if rms else tuple(out)
         return forward_op(x, *affine, gather(scale, segment_ids, x), gather(shift, segment_ids, x), eps, out_dtype)
 
     def forward_fake(x, *args):
@@ -184,6 +197,12 @@ def register(lib: torch.library.Library, base: str, params: tuple[str, ...], sta
         affine, (scale, shift, segment_ids), statistics = args[:k], args[k:k + 3], args[k + 3:]
         common.validate(check_backward, (dy, x, *args))
         check_ids(f"{name}_backward", segment_ids, scale.shape[0])
+        ops = _kernels(x, affine, scale, shift, (dy, *statistics))
+        mean = (None,) if rms else ()  # (the binding's mean: None for RMSNorm)
+        grads = ops.segmented_backward(dy, x, *_weight_bias(affine), scale, shift, segment_ids, *mean,
+                                       *statistics) if ops else []
+        if grads:  # [dx, dweight, dbias, dscale, dshift]
+            return common.grads_or_empty((grads[0], *grads[1:1 + k], grads[3], grads[4], None), x)
         dx, *daffine, dscale, dshift = backward_op(dy, x, *affine, gather(scale, segment_ids, x),
                                                    gather(shift, segment_ids, x), *statistics)
         acc_dtype = common.compute_dtype(x, *affine, scale, shift)
@@ -200,6 +219,20 @@ def register(lib: torch.library.Library, base: str, params: tuple[str, ...], sta
     torch.library.register_fake(f"adaptiveload::{name}", forward_fake, lib=lib)
     torch.library.register_fake(f"adaptiveload::{name}_backward", backward_fake, lib=lib)
     common.differentiable(lib, name, n_tensors=len(params) + 4)
+
+
+def _kernels(x: Tensor, affine, scale: Tensor, shift: Optional[Tensor], others: tuple = ()):
+    """The kernel module where the segmented CUDA kernels may take the call (x on CUDA, the dtypes
+    :func:`adaptiveload.ops.common.kernels_apply` takes), else None; the kernels may still hand the
+    call back (an empty result) where their launcher cannot run them (the module doc)."""
+    if not x.is_cuda or not common.kernels_apply(x, tuple(affine), (scale, shift), others):
+        return None
+    return extension.kernels()
+
+
+def _weight_bias(affine) -> tuple:
+    """The norm's affine parameters as the bindings take them: (weight, bias), bias None for RMSNorm."""
+    return (*affine, None) if len(affine) == 1 else tuple(affine)
 
 
 def check_rows(op: str, x: Tensor, mods: dict, segment_ids: Tensor) -> None:

@@ -3,6 +3,6 @@
 
 namespace adaln {
 
-template void launch_forward_norm<Norm::Layer>(const FwdArgs& a, cudaStream_t stream);
+template bool launch_forward_norm<Norm::Layer>(const FwdArgs& a, cudaStream_t stream);
 
 }  // namespace adaln

@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(512) res_reduce_kernel(const ResBwdArgs a) {
   float dw = 0.f, db = 0.f;
   for (int64_t b = 0; b < a.B; ++b) {
     float s[kResPlanes];
-    tile_column_sums<kResPlanes>(a.ws, plane, a.tiles, a.B, a.D, b, d, use, part, s);
+    tile_column_sums<kResPlanes>(a.ws, plane, Pieces{b, a.tiles, a.B}, a.D, d, use, part, s);
     if (ty == 0 && d < a.D) {
       const float f = reduced_scale ? 1.f + load1(a.scale.ptr, a.scale.t, b * a.scale.sb + d) : 1.f;
       if (a.dscale_rows) a.dscale_rows[b * a.D + d] = w * s[0] + bb * s[1];

@@ -204,6 +204,74 @@ def test_opcheck_backward(kind, grad_layout):
 
 
 # ---------------------------------------------------------------------------------------------
+# The segmented CUDA kernels (csrc/norm_modulate*: SEG), against float64
+
+
+def _pack_ids(lengths, id_dtype, device):
+    """The ids of a pack of segments of these lengths (0 for a segment without rows), in order."""
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device, id_dtype)
+
+
+def _kernel_path(kind, named, ids):
+    """The kernels' own forward and backward results (the bindings, no composite behind them): both
+    non-empty, so the case under test runs the segmented kernels."""
+    from adaptiveload.ops import extension
+    ops = extension.kernels()
+    v, rms = named, kind == "rms"
+    weight, bias = v.get("weight"), v.get("bias")
+    out = ops.segmented_forward(v["x"], weight, bias, v["scale"], v.get("shift"), ids, EPS, v["x"].dtype, rms)
+    assert out, "the segmented forward kernel handed the call back"
+    dy = torch.randn_like(v["x"])
+    grads = ops.segmented_backward(dy, v["x"], weight, bias, v["scale"], v.get("shift"), ids, out[1], out[2])
+    assert grads, "the segmented backward kernel handed the call back"
+    return out, grads, dy
+
+
+# lengths of a pack's segments: Wan-like clips and images, an empty segment, one-row segments
+PACKS = {"clips": [1200, 0, 300, 300, 2000, 7], "images": [1] * 5 + [256] * 20 + [3], "one": [4099]}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype, mod_dtype", [(torch.bfloat16, None), (torch.bfloat16, torch.float32),
+                                              (torch.float16, None), (torch.float32, None)])
+@pytest.mark.parametrize("D", [64, 1536, 3072])
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("order", ["pack", "shuffled"])
+def test_cuda_kernels_match_float64(kind, dtype, mod_dtype, D, pack, order):
+    """The segmented kernels take the call (both bindings return results) and match float64 in y, the
+    statistics and every gradient: ids in pack order (the row tiles cut at segment changes) and the
+    same ids shuffled (the on-device fallback: one column kernel sums each segment in row order)."""
+    lengths = PACKS[pack]
+    gen = torch.Generator().manual_seed(D + len(lengths))
+    named, _, dy = make_inputs(kind, (1, sum(lengths), D), len(lengths), dtype, D, mod_dtype=mod_dtype,
+                               device="cuda")
+    ids = _pack_ids(lengths, torch.int32 if D == 1536 else torch.int64, "cuda")
+    if order == "shuffled":
+        ids = ids[torch.randperm(ids.numel(), generator=gen).cuda()]
+    _kernel_path(kind, named, ids)
+    check_against_float64(kind, named, ids, dy, TOL[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("order", ["pack", "shuffled"])
+def test_cuda_kernels_backward_bit_identical(kind, order):
+    """Two backward runs of the segmented kernels give the same bits (no atomics), in pack order and
+    shuffled, with more segments (200) than the fallback's shared memory holds in one pass (128)."""
+    lengths = [37] * 100 + [0] + [401] * 99
+    named, _, dy = make_inputs(kind, (1, sum(lengths), 1536), len(lengths), torch.bfloat16, 8, device="cuda")
+    ids = _pack_ids(lengths, torch.int64, "cuda")
+    if order == "shuffled":
+        ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(8)).cuda()]
+    stats = call(kind, named, ids, torch.bfloat16)[1:]
+    first, second = (call_backward(kind, dy, named, ids, stats) for _ in range(2))
+    for g1, g2 in zip(first, second):
+        assert torch.equal(g1, g2)
+    check_against_float64(kind, named, ids, dy, TOL[torch.bfloat16])
+
+
+# ---------------------------------------------------------------------------------------------
 # Determinism, memory, compile
 
 
