@@ -342,36 +342,30 @@ bool fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
   const int ring_chunks = pt ? kRingChunksPerToken : kRingChunks;
   const RowShape ring = ring_row_shape(a0.D, a0.xt, a0.max_threads, ring_chunks);
   bool ran = false;
+  auto try_ring = [&](auto kernel, int chunks) {  // ran: the ring could run, and was launched
+    const size_t coef = coef_smem_bytes(2, chunks, ring.threads, a0.xt);
+    const int requested = bulk && a0.stages < 0 ? kBulkStoreStages : a0.stages;
+    const int stages = ring_stages(requested, a0.aligned, coef, slot, kFwdRingBytes,
+                                   reinterpret_cast<const void*>(kernel));
+    if (stages > 0) go(kernel, ring, stages);
+    ran = stages > 0;
+  };
   if (a0.seg) {  // the segmented layout: the ring kernel only (else not taken)
     if (pt || ring.chunks > kRingChunks) return false;
     with_chunk_count<kRingChunks>(ring.chunks, [&](auto chunks) {
       constexpr int kC = decltype(chunks)::value;
-      auto kernel = fwd_kernel<N, Tx, Tm, To, kC, false, true, true>;
-      const size_t coef = coef_smem_bytes(2, kC, ring.threads, a0.xt);
-      const int requested = bulk && a0.stages < 0 ? kBulkStoreStages : a0.stages;
-      const int stages = ring_stages(requested, a0.aligned, coef, slot, kFwdRingBytes,
-                                     reinterpret_cast<const void*>(kernel));
-      if (stages > 0) go(kernel, ring, stages);
-      ran = stages > 0;
+      try_ring(fwd_kernel<N, Tx, Tm, To, kC, false, true, true>, kC);
     });
     return ran;
   }
   if (ring.chunks <= ring_chunks) {
     with_chunk_count(ring.chunks, [&](auto chunks) {
       constexpr int kC = decltype(chunks)::value;
-      auto try_ring = [&](auto kernel) {
-        const size_t coef = coef_smem_bytes(2, kC, ring.threads, a0.xt);
-        const int requested = bulk && a0.stages < 0 ? kBulkStoreStages : a0.stages;
-        const int stages = ring_stages(requested, a0.aligned, coef, slot, kFwdRingBytes,
-                                       reinterpret_cast<const void*>(kernel));
-        if (stages > 0) go(kernel, ring, stages);
-        ran = stages > 0;
-      };
       if constexpr (kC <= kRingChunksPerToken) {
-        if (pt) try_ring(fwd_kernel<N, Tx, Tm, To, kC, true, true>);
+        if (pt) try_ring(fwd_kernel<N, Tx, Tm, To, kC, true, true>, kC);
       }
       if constexpr (kC <= kRingChunks) {
-        if (!pt) try_ring(fwd_kernel<N, Tx, Tm, To, kC, false, true>);
+        if (!pt) try_ring(fwd_kernel<N, Tx, Tm, To, kC, false, true>, kC);
       }
     });
   }
