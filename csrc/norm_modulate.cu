@@ -130,14 +130,19 @@ ModView seg_view(const Tensor& m, const Tensor& x, const char* name) {
   return v;
 }
 
-// segment_ids: int32 / int64 [T], contiguous, on x's device (x viewed as [1, T, D]).
-void check_ids(const Tensor& ids, const Tensor& x) {
+// segment_ids: int32 / int64 [T], contiguous, on x's device (x viewed as [1, T, D]), of `count` segments.
+Segments segment_ids_view(const Tensor& ids, const Tensor& x, int64_t count) {
   check_same_device(ids, x, "segment_ids");
   TORCH_CHECK(x.size(0) == 1, "norm_modulate kernels: a segmented x must be viewed as [1, T, D], got ", x.sizes());
   TORCH_CHECK((ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong) && ids.dim() == 1 &&
                   ids.size(0) == x.size(1) && ids.is_contiguous(),
               "norm_modulate kernels: segment_ids must be a contiguous int32 or int64 [", x.size(1), "], got shape ",
               ids.sizes(), " dtype ", ids.scalar_type());
+  Segments s;
+  s.ids = ids.data_ptr();
+  s.ids64 = ids.scalar_type() == at::kLong;
+  s.count = count;
+  return s;
 }
 
 namespace {
@@ -177,6 +182,15 @@ void segment_starts(const Tensor& ids, int64_t segments, int64_t* start) {
   else
     segment_starts_kernel<<<blocks, threads, 0, stream>>>(ids.data_ptr<int32_t>(), T, segments, start);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+Tensor segment_start_rows(const Tensor& ids, Segments& s) {
+  Tensor starts = at::empty({s.count + 2}, ids.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cudaMemsetAsync(starts.data_ptr<int64_t>() + s.count + 1, 0, sizeof(int64_t),
+                                 c10::cuda::getCurrentCUDAStream(ids.get_device()).stream()));
+  segment_starts(ids, s.count, starts.data_ptr<int64_t>());
+  s.start = starts.data_ptr<int64_t>();
+  return starts;
 }
 
 void check_mod_dtype(const Tensor& m, const Tensor& x, const char* name) {
@@ -258,9 +272,7 @@ void fill_rows(Args& a, Norm norm, const Tensor& x, const optional<Tensor>& weig
   a.scale = seg.has_value() ? seg_view(scale, x, "scale") : mod_view(scale, x, "scale");
   if (shift.has_value()) a.shift = seg.has_value() ? seg_view(*shift, x, "shift") : mod_view(*shift, x, "shift");
   if (seg.has_value()) {
-    check_ids(*seg, x);
-    a.seg = seg->data_ptr();
-    a.seg64 = seg->scalar_type() == at::kLong;
+    a.seg = segment_ids_view(*seg, x, scale.size(0));
   }
   a.B = x.size(0);
   a.N = x.size(1);
@@ -365,14 +377,9 @@ std::vector<Tensor> backward_rows(Norm norm, const Tensor& dy, const Tensor& x, 
   Tensor starts;
   if (seg.has_value()) {
     if (a.stages == 0 || a.two_kernel) return {};  // (the ring kernel only)
-    a.segments = rows;
-    starts = at::empty({rows + 2}, x.options().dtype(at::kLong));
-    a.seg_start = starts.data_ptr<int64_t>();
-    C10_CUDA_CHECK(cudaMemsetAsync(starts.data_ptr<int64_t>() + rows + 1, 0, sizeof(int64_t),
-                                   c10::cuda::getCurrentCUDAStream(x.get_device()).stream()));
-    segment_starts(*seg, rows, starts.data_ptr<int64_t>());
+    starts = segment_start_rows(*seg, a.seg);
   }
-  a.pieces = seg.has_value() ? a.tiles + a.segments : a.tiles * B;  // (the workspace: piece_of)
+  a.pieces = seg.has_value() ? a.tiles + a.seg.count : a.tiles * B;  // (the workspace: piece_of)
   auto ws = at::empty({3, a.pieces, D}, f32);
   a.ws = ws.data_ptr<float>();
   a.aligned = a.aligned && aligned16(a.ws);
@@ -671,6 +678,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "ops' backward",
         py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"),
         py::arg("segment_ids"), py::arg("mean"), py::arg("rstd"));
+  m.def("residual_segmented_forward",
+        [](const at::Tensor& x, const at::Tensor& y, const c10::optional<at::Tensor>& gate,
+           const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+           const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& shift,
+           const at::Tensor& segment_ids, double eps, at::ScalarType r_dtype, at::ScalarType out_dtype, bool rms) {
+          return adaln::residual_op_forward(rms ? adaln::Norm::RMS : adaln::Norm::Layer, x, y, gate, weight, bias,
+                                            scale, shift, eps, r_dtype, out_dtype, segment_ids);
+        },
+        "[r, out, mean (None for RMSNorm), rstd] = residual_segmented_forward(x[...,D], y, gate?[n,D], weight?, bias?, "
+        "scale?[n,D], shift?[n,D], segment_ids[T], eps, r_dtype, out_dtype, rms), or [] where the kernel cannot run: "
+        "the CUDA body of adaptiveload::residual_{adaln,rms_norm}_modulate_segmented",
+        py::arg("x"), py::arg("y"), py::arg("gate"), py::arg("weight"), py::arg("bias"), py::arg("scale"),
+        py::arg("shift"), py::arg("segment_ids"), py::arg("eps"), py::arg("r_dtype"), py::arg("out_dtype"),
+        py::arg("rms"));
+  m.def("residual_segmented_backward",
+        [](const at::Tensor& dout, const c10::optional<at::Tensor>& dr, const at::Tensor& r,
+           const c10::optional<at::Tensor>& y, const c10::optional<at::Tensor>& gate,
+           const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+           const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& shift,
+           const at::Tensor& segment_ids, const c10::optional<at::Tensor>& mean, const at::Tensor& rstd,
+           at::ScalarType x_dtype) {
+          return adaln::residual_op_backward(mean.has_value() ? adaln::Norm::Layer : adaln::Norm::RMS, dout, dr, r, y,
+                                             gate, weight, bias, scale, shift, mean, rstd, x_dtype, segment_ids);
+        },
+        "[dx, dy, dgate, dweight, dbias, dscale, dshift] = residual_segmented_backward(dout, dr?, r, y?, gate?, weight?, "
+        "bias?, scale?, shift?, segment_ids, mean (None for RMSNorm), rstd, x_dtype), or [] where the kernel cannot "
+        "run: the CUDA body of the residual segmented ops' backward",
+        py::arg("dout"), py::arg("dr"), py::arg("r"), py::arg("y"), py::arg("gate"), py::arg("weight"),
+        py::arg("bias"), py::arg("scale"), py::arg("shift"), py::arg("segment_ids"), py::arg("mean"), py::arg("rstd"),
+        py::arg("x_dtype"));
   m.def("set_tuning", &adaln::set_tuning,
         "force kernel choices, process-wide (adaptiveload.ops._tuning.override; benchmarks and tests): "
         "max_threads (0: automatic), fwd_stages / bwd_stages (-1: automatic), store (-1: automatic, 0 threads, "
