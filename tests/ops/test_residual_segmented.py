@@ -69,7 +69,7 @@ def _leaves(v, table):
 
 def _grads(outputs, leaves, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum() for o in outputs)
+    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)).sum() for o in outputs)
     return torch.autograd.grad(loss, leaves, allow_unused=True)
 
 
