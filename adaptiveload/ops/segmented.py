@@ -21,12 +21,13 @@ Kernels. On CUDA, the norm -> modulate ops (LayerNorm, RMSNorm) run the segmente
 backward cuts each row tile where the segment changes and sums each segment's parts in a fixed
 order; with ids in any other order a slower column kernel sums each segment's rows in row order;
 no atomics either way, and the choice is made on the device) where they apply: x of a kernel dtype
-with aligned rows, the sm_90 row ring, modulation in x's dtype or float32. Every other call, and the residual ops, take the composite (CompositeExplicitAutograd, so
-the base ops below it dispatch to the CUDA kernels on a GPU): the forward gathers the per-token
-modulation transiently (``index_select``, in float32, or float64 for float64 modulation: a 16-bit
-scale widens exactly, and the CUDA kernels take float32 modulation with 16-bit x) and calls the
-base op; the backward gathers again, calls the base backward op and sums each per-token
-modulation gradient over its segment (:func:`segment_sum`: deterministic, no atomics).
+with aligned rows, the sm_90 row ring, modulation in x's dtype or float32. Every other call, and the
+residual ops, take the composite (CompositeExplicitAutograd, so the base ops below it dispatch to
+the CUDA kernels on a GPU): the forward gathers the per-token modulation transiently
+(``index_select``, in float32, or float64 for float64 modulation: a 16-bit scale widens exactly,
+and the CUDA kernels take float32 modulation with 16-bit x) and calls the base op; the backward
+gathers again, calls the base backward op and sums each per-token modulation gradient over its
+segment (:func:`segment_sum`: deterministic, no atomics).
 
 Validation: each kernel checks the shapes, dtypes and devices once per signature
 (:func:`adaptiveload.ops.common.validate`), the fake kernels on every trace. The values of
