@@ -489,41 +489,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rms_backward(const Tensor& dy, const 
   return {g[0], g[1], g[3], g[4]};
 }
 
-// The ops' CUDA bodies (norm_modulate_ops.h), for the dispatcher kernels (norm_modulate_dispatch.cu)
-// and the bindings below.
-// {y, mean (undefined for RMSNorm), rstd} in x's shape, y in out_dtype, the per-row statistics in
-// fp32: the CUDA body of either op's forward
-std::vector<Tensor> op_forward(Norm norm, const Tensor& x, const optional<Tensor>& weight,
-                               const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                               double eps, at::ScalarType out_dtype) {
-  const int64_t B = x.size(0), D = x.size(-1);
-  const auto [scale_rows, shift_rows] = scale_shift_rows(x, scale, shift);
-  auto out = forward_rows(norm, x.contiguous().view({B, -1, D}), affine_f32(weight), affine_f32(bias), scale_rows,
-                          shift_rows, eps, out_dtype != x.scalar_type());
-  Tensor y = out[0];
-  if (out_dtype != x.scalar_type() && out_dtype != at::kFloat) y = y.to(out_dtype);
-  return {y.view(x.sizes()), out[1].defined() ? out[1].view(stat_shape(x)) : out[1], out[2].view(stat_shape(x))};
-}
-
-// {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (an empty tensor for an
-// absent input): the CUDA body of either op's backward (mean: none for RMSNorm)
-std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x, const optional<Tensor>& weight,
-                                const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                                const optional<Tensor>& mean, const Tensor& rstd) {
-  const int64_t B = x.size(0), D = x.size(-1);
-  const Tensor dy = dy_in.scalar_type() == x.scalar_type() || dy_in.scalar_type() == at::kFloat ? dy_in : dy_in.to(at::kFloat);
-  const auto [scale_rows, shift_rows] = scale_shift_rows(x, scale, shift);
-  optional<Tensor> mean_rows;
-  if (mean.has_value()) mean_rows = stat_rows(*mean);
-  auto g = backward_rows(norm, dy.contiguous().view({B, -1, D}), x.contiguous().view({B, -1, D}), affine_f32(weight),
-                         affine_f32(bias), scale_rows, shift_rows, mean_rows, stat_rows(rstd));
-  optional<Tensor> dweight, dbias, dshift;
-  if (weight.has_value()) dweight = g[3].to(weight->scalar_type());
-  if (bias.has_value()) dbias = g[4].to(bias->scalar_type());
-  if (shift.has_value()) dshift = mod_grad(g[2], *shift, x);
-  return {g[0].view(x.sizes()), or_empty(dweight, x), or_empty(dbias, x), mod_grad(g[1], scale, x), or_empty(dshift, x)};
-}
-
 // The segmented layout (adaptiveload/ops/segmented.py): x [..., D] of T rows, scale and shift
 // [segments, D], segment_ids [T]. Scale and shift as the kernels read them: in their dtype when they
 // agree and it is x's or float32, else float32; unit stride along D.
@@ -539,44 +504,51 @@ std::pair<Tensor, optional<Tensor>> segment_rows(const Tensor& x, const Tensor& 
   return {rows(scale), shift_rows};
 }
 
-// {y, mean (undefined for RMSNorm), rstd} in x's shape, or {} where the kernel cannot run (unaligned
-// rows, wide rows, no sm_90 ring): the CUDA body of either segmented op's forward
-std::vector<Tensor> op_forward_segmented(Norm norm, const Tensor& x, const optional<Tensor>& weight,
-                                         const optional<Tensor>& bias, const Tensor& scale,
-                                         const optional<Tensor>& shift, const Tensor& segment_ids, double eps,
-                                         at::ScalarType out_dtype) {
-  const int64_t D = x.size(-1);
-  const auto [scale_rows, shift_rows] = segment_rows(x, scale, shift);
-  auto out = forward_rows(norm, x.contiguous().view({1, -1, D}), affine_f32(weight), affine_f32(bias), scale_rows,
-                          shift_rows, eps, out_dtype != x.scalar_type(), segment_ids.contiguous());
+// The ops' CUDA bodies (norm_modulate_ops.h), for the dispatcher kernels (norm_modulate_dispatch.cu)
+// and the bindings below. With segment_ids: the segmented layout (x viewed as one sequence, scale
+// and shift [segments, D]), {} where its kernel cannot run.
+
+// {y, mean (undefined for RMSNorm), rstd} in x's shape, y in out_dtype, the per-row statistics in
+// fp32: the CUDA body of either op's forward
+std::vector<Tensor> op_forward(Norm norm, const Tensor& x, const optional<Tensor>& weight,
+                               const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                               double eps, at::ScalarType out_dtype, const optional<Tensor>& segment_ids) {
+  const bool segmented = segment_ids.has_value();
+  const int64_t B = segmented ? 1 : x.size(0), D = x.size(-1);
+  const auto [scale_rows, shift_rows] = segmented ? segment_rows(x, scale, shift) : scale_shift_rows(x, scale, shift);
+  optional<Tensor> ids;
+  if (segmented) ids = segment_ids->contiguous();
+  auto out = forward_rows(norm, x.contiguous().view({B, -1, D}), affine_f32(weight), affine_f32(bias), scale_rows,
+                          shift_rows, eps, out_dtype != x.scalar_type(), ids);
   if (out.empty()) return {};
   Tensor y = out[0];
   if (out_dtype != x.scalar_type() && out_dtype != at::kFloat) y = y.to(out_dtype);
   return {y.view(x.sizes()), out[1].defined() ? out[1].view(stat_shape(x)) : out[1], out[2].view(stat_shape(x))};
 }
 
-// {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (an empty tensor for an absent
-// input), or {} where the one-pass kernel cannot run (backward_rows): the CUDA body of either
-// segmented op's backward (mean: none for RMSNorm)
-std::vector<Tensor> op_backward_segmented(Norm norm, const Tensor& dy_in, const Tensor& x,
-                                          const optional<Tensor>& weight, const optional<Tensor>& bias,
-                                          const Tensor& scale, const optional<Tensor>& shift,
-                                          const Tensor& segment_ids, const optional<Tensor>& mean,
-                                          const Tensor& rstd) {
-  const int64_t D = x.size(-1);
+// {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (an empty tensor for an
+// absent input): the CUDA body of either op's backward (mean: none for RMSNorm)
+std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x, const optional<Tensor>& weight,
+                                const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                                const optional<Tensor>& mean, const Tensor& rstd,
+                                const optional<Tensor>& segment_ids) {
+  const bool segmented = segment_ids.has_value();
+  const int64_t B = segmented ? 1 : x.size(0), D = x.size(-1);
   const Tensor dy = dy_in.scalar_type() == x.scalar_type() || dy_in.scalar_type() == at::kFloat ? dy_in : dy_in.to(at::kFloat);
-  const auto [scale_rows, shift_rows] = segment_rows(x, scale, shift);
-  optional<Tensor> mean_rows;
+  const auto [scale_rows, shift_rows] = segmented ? segment_rows(x, scale, shift) : scale_shift_rows(x, scale, shift);
+  optional<Tensor> mean_rows, ids;
   if (mean.has_value()) mean_rows = stat_rows(*mean);
-  auto g = backward_rows(norm, dy.contiguous().view({1, -1, D}), x.contiguous().view({1, -1, D}), affine_f32(weight),
-                         affine_f32(bias), scale_rows, shift_rows, mean_rows, stat_rows(rstd), segment_ids.contiguous());
+  if (segmented) ids = segment_ids->contiguous();
+  auto g = backward_rows(norm, dy.contiguous().view({B, -1, D}), x.contiguous().view({B, -1, D}), affine_f32(weight),
+                         affine_f32(bias), scale_rows, shift_rows, mean_rows, stat_rows(rstd), ids);
   if (g.empty()) return {};
+  // a modulation gradient: per-segment rows in the modulation's dtype, else summed where it broadcasts
+  auto mod = [&](const Tensor& gm, const Tensor& m) { return segmented ? gm.to(m.scalar_type()) : mod_grad(gm, m, x); };
   optional<Tensor> dweight, dbias, dshift;
   if (weight.has_value()) dweight = g[3].to(weight->scalar_type());
   if (bias.has_value()) dbias = g[4].to(bias->scalar_type());
-  if (shift.has_value()) dshift = g[2].to(shift->scalar_type());
-  return {g[0].view(x.sizes()), or_empty(dweight, x), or_empty(dbias, x), g[1].to(scale.scalar_type()),
-          or_empty(dshift, x)};
+  if (shift.has_value()) dshift = mod(g[2], *shift);
+  return {g[0].view(x.sizes()), or_empty(dweight, x), or_empty(dbias, x), mod(g[1], scale), or_empty(dshift, x)};
 }
 
 }  // namespace adaln
@@ -658,8 +630,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const at::Tensor& x, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
            const at::Tensor& scale, const c10::optional<at::Tensor>& shift, const at::Tensor& segment_ids, double eps,
            at::ScalarType out_dtype, bool rms) {
-          return adaln::op_forward_segmented(rms ? adaln::Norm::RMS : adaln::Norm::Layer, x, weight, bias, scale,
-                                             shift, segment_ids, eps, out_dtype);
+          return adaln::op_forward(rms ? adaln::Norm::RMS : adaln::Norm::Layer, x, weight, bias, scale, shift, eps,
+                                   out_dtype, segment_ids);
         },
         "[y, mean (None for RMSNorm), rstd] = segmented_forward(x[...,D], weight?, bias?, scale[n,D], shift?[n,D], "
         "segment_ids[T], eps, out_dtype, rms): the CUDA body of adaptiveload::{adaln,rms_norm}_modulate_segmented "
@@ -670,8 +642,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
            const c10::optional<at::Tensor>& bias, const at::Tensor& scale, const c10::optional<at::Tensor>& shift,
            const at::Tensor& segment_ids, const c10::optional<at::Tensor>& mean, const at::Tensor& rstd) {
-          return adaln::op_backward_segmented(mean.has_value() ? adaln::Norm::Layer : adaln::Norm::RMS, dy, x, weight,
-                                              bias, scale, shift, segment_ids, mean, rstd);
+          return adaln::op_backward(mean.has_value() ? adaln::Norm::Layer : adaln::Norm::RMS, dy, x, weight, bias,
+                                    scale, shift, mean, rstd, segment_ids);
         },
         "[dx, dweight, dbias, dscale, dshift] = segmented_backward(dy, x, weight?, bias?, scale, shift?, segment_ids, "
         "mean (None for RMSNorm), rstd), or [] where the kernel cannot run: the CUDA body of the segmented "

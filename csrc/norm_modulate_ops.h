@@ -12,17 +12,21 @@
 
 namespace adaln {
 
-// {y, mean (undefined for RMSNorm), rstd} in x's shape: the CUDA body of either op's forward
+// {y, mean (undefined for RMSNorm), rstd} in x's shape: the CUDA body of either op's forward. With
+// segment_ids (int [T]): the segmented layout, scale and shift [segments, D]; {} where its kernel
+// cannot run (the caller's composite then serves the call).
 std::vector<at::Tensor> op_forward(Norm norm, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                                    const c10::optional<at::Tensor>& bias, const at::Tensor& scale,
-                                   const c10::optional<at::Tensor>& shift, double eps, at::ScalarType out_dtype);
+                                   const c10::optional<at::Tensor>& shift, double eps, at::ScalarType out_dtype,
+                                   const c10::optional<at::Tensor>& segment_ids = c10::nullopt);
 
 // {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (an empty tensor for an absent
 // input): the CUDA body of either op's backward (mean: none for RMSNorm)
 std::vector<at::Tensor> op_backward(Norm norm, const at::Tensor& dy, const at::Tensor& x,
                                     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
                                     const at::Tensor& scale, const c10::optional<at::Tensor>& shift,
-                                    const c10::optional<at::Tensor>& mean, const at::Tensor& rstd);
+                                    const c10::optional<at::Tensor>& mean, const at::Tensor& rstd,
+                                    const c10::optional<at::Tensor>& segment_ids = c10::nullopt);
 
 // {r, out, mean (undefined for RMSNorm), rstd} in x's shape: the CUDA body of either residual op's
 // forward (r in r_dtype, out in out_dtype, the statistics fp32). With segment_ids (int [T]): the
