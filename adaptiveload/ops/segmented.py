@@ -48,7 +48,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from adaptiveload.ops import common, extension
+from adaptiveload.ops import common
 from adaptiveload.ops.common import describe
 
 ID_DTYPES = (torch.int32, torch.int64)
@@ -176,13 +176,23 @@ def register(lib: torch.library.Library, base: str, params: tuple[str, ...], sta
         check_backward_inputs(f"{name}_backward", dy, x, dict(zip(params, args[:k])), *args[k:k + 3],
                               dict(zip(stats, args[k + 3:])))
 
+    # The checks, then whether the CUDA kernels may take the call (x on CUDA, kernel dtypes), for
+    # common.cuda_kernels, which remembers both with the signature (eager calls only: the fake
+    # kernels run the checks alone)
+    def take_forward(x, *args):
+        check_forward(x, *args)
+        return x.is_cuda and common.kernels_apply(x, args[:k], args[k:k + 2])
+
+    def take_backward(dy, x, *args):
+        check_backward(dy, x, *args)
+        return x.is_cuda and common.kernels_apply(x, args[:k], args[k:k + 2], (dy, *args[k + 3:]))
+
     rms = "mean" not in stats  # (RMSNorm keeps no per-row mean)
 
     def forward(x, *args):
         *affine, scale, shift, segment_ids, eps, out_dtype = args
-        common.validate(check_forward, (x, *affine, scale, shift, segment_ids), out_dtype, eps)
+        ops = common.cuda_kernels(take_forward, (x, *affine, scale, shift, segment_ids), out_dtype, eps)
         check_ids(name, segment_ids, scale.shape[0])
-        ops = _kernels(x, affine, scale, shift)
         out = ops.segmented_forward(x, *_weight_bias(affine), scale, shift, segment_ids, eps, out_dtype, rms) if ops else []
         if out:  # [y, mean (None for RMSNorm), rstd]
             return (out[0], out[2]) if rms else tuple(out)
@@ -196,9 +206,8 @@ def register(lib: torch.library.Library, base: str, params: tuple[str, ...], sta
 
     def backward(dy, x, *args):
         affine, (scale, shift, segment_ids), statistics = args[:k], args[k:k + 3], args[k + 3:]
-        common.validate(check_backward, (dy, x, *args))
+        ops = common.cuda_kernels(take_backward, (dy, x, *args))
         check_ids(f"{name}_backward", segment_ids, scale.shape[0])
-        ops = _kernels(x, affine, scale, shift, (dy, *statistics))
         mean = (None,) if rms else ()  # (the binding's mean: None for RMSNorm)
         grads = ops.segmented_backward(dy, x, *_weight_bias(affine), scale, shift, segment_ids, *mean,
                                        *statistics) if ops else []
@@ -220,15 +229,6 @@ def register(lib: torch.library.Library, base: str, params: tuple[str, ...], sta
     torch.library.register_fake(f"adaptiveload::{name}", forward_fake, lib=lib)
     torch.library.register_fake(f"adaptiveload::{name}_backward", backward_fake, lib=lib)
     common.differentiable(lib, name, n_tensors=len(params) + 4)
-
-
-def _kernels(x: Tensor, affine, scale: Tensor, shift: Optional[Tensor], others: tuple = ()):
-    """The kernel module where the segmented CUDA kernels may take the call (x on CUDA, the dtypes
-    :func:`adaptiveload.ops.common.kernels_apply` takes), else None; the kernels may still hand the
-    call back (an empty result) where their launcher cannot run them (the module doc)."""
-    if not x.is_cuda or not common.kernels_apply(x, tuple(affine), (scale, shift), others):
-        return None
-    return extension.kernels()
 
 
 def _weight_bias(affine) -> tuple:
