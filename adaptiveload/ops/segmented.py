@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from adaptiveload.ops import common, extension
+from adaptiveload.ops import common
 from adaptiveload.ops.common import describe
 
 ID_DTYPES = (torch.int32, torch.int64)
@@ -177,13 +177,23 @@ def register(lib: torch.library.Library, base: str, params: tuple[str, ...], sta
         check_backward_inputs(f"{name}_backward", dy, x, dict(zip(params, args[:k])), *args[k:k + 3],
                               dict(zip(stats, args[k + 3:])))
 
+    # The checks, then whether the CUDA kernels may take the call (x on CUDA, kernel dtypes), for
+    # common.cuda_kernels, which remembers both with the signature (eager calls only: the fake
+    # kernels run the checks alone)
+    def take_forward(x, *args):
+        check_forward(x, *args)
+        return x.is_cuda and common.kernels_apply(x, args[:k], args[k:k + 2])
+
+    def take_backward(dy, x, *args):
+        check_backward(dy, x, *args)
+        return x.is_cuda and common.kernels_apply(x, args[:k], args[k:k + 2], (dy, *args[k + 3:]))
+
     rms = "mean" not in stats  # (RMSNorm keeps no per-row mean)
 
     def forward(x, *args):
         *affine, scale, shift, segment_ids, eps, out_dtype = args
-        common.validate(check_forward, (x, *affine, scale, shift, segment_ids), out_dtype, eps)
+        ops = common.cuda_kernels(take_forward, (x, *affine, scale, shift, segment_ids), out_dtype, eps)
         check_ids(name, segment_ids, scale.shape[0])
-        ops = _kernels(x, affine, scale, shift)
         out = ops.segmented_forward(x, *_weight_bias(affine), scale, shift, segment_ids, eps, out_dtype, rms) if ops else []
         if out:  # [y, mean (None for RMSNorm), rstd]
             return (out[0], out[2]) if rms else tuple(out)
@@ -197,9 +207,8 @@ def register(lib: torch.library.Library, base: str, params: tuple[str, ...], sta
 
     def backward(dy, x, *args):
         affine, (scale, shift, segment_ids), statistics = args[:k], args[k:k + 3], args[k + 3:]
-        common.validate(check_backward, (dy, x, *args))
+        ops = common.cuda_kernels(take_backward, (dy, x, *args))
         check_ids(f"{name}_backward", segment_ids, scale.shape[0])
-        ops = _kernels(x, affine, scale, shift, (dy, *statistics))
         mean = (None,) if rms else ()  # (the binding's mean: None for RMSNorm)
         grads = ops.segmented_backward(dy, x, *_weight_bias(affine), scale, shift, segment_ids, *mean,
                                        *statistics) if ops else []
@@ -221,23 +230,6 @@ def register(lib: torch.library.Library, base: str, params: tuple[str, ...], sta
     torch.library.register_fake(f"adaptiveload::{name}", forward_fake, lib=lib)
     torch.library.register_fake(f"adaptiveload::{name}_backward", backward_fake, lib=lib)
     common.differentiable(lib, name, n_tensors=len(params) + 4)
-
-
-def _kernels(x: Tensor, affine, scale: Tensor, shift: Optional[Tensor], others: tuple = ()):
-    """The kernel module where the segmented CUDA kernels may take the call (x on CUDA, the dtypes
-    :func:`adaptiveload.ops.common.kernels_apply` takes), else None; the kernels may still hand the
-    call back (an empty result) where their launcher cannot run them (the module doc)."""
-    if not x.is_cuda or not common.kernels_apply(x, tuple(affine), (scale, shift), others):
-        return None
-    return extension.kernels()
-
-
-def _residual_kernels(x: Tensor, tensors: tuple, dtypes: tuple):
-    """As :func:`_kernels`, for a residual op: x (the backward's r) on CUDA and the tensors and dtypes
-    :func:`adaptiveload.ops.common.residual_kernels_apply` takes."""
-    if not x.is_cuda or not common.residual_kernels_apply(x, tensors, dtypes):
-        return None
-    return extension.kernels()
 
 
 def _weight_bias(affine) -> tuple:
@@ -299,14 +291,27 @@ def register_residual(lib: torch.library.Library, base: str, params: tuple[str, 
 
     rms = k == 1  # (RMSNorm has no bias)
 
+    # The row checks, then whether the CUDA kernels may take the call (x on CUDA, kernel dtypes), for
+    # common.cuda_kernels, which remembers both with the signature (eager calls only)
+    def take_forward(x, y, gate, *args):  # (*affine, scale, shift, segment_ids, r_dtype, out_dtype)
+        *affine, scale, shift, segment_ids, r_dtype, out_dtype = args
+        check_forward(x, gate, scale, shift, segment_ids)
+        return x.is_cuda and common.residual_kernels_apply(x, (y, gate, *affine, scale, shift), (r_dtype, out_dtype))
+
+    def take_backward(dout, dr, r, y, gate, *args):  # (*affine, scale, shift, segment_ids, *stats, x_dtype)
+        affine, (scale, shift, segment_ids), (*stats, x_dtype) = args[:k], args[k:k + 3], args[k + 3:]
+        check_backward(r, gate, scale, shift, segment_ids)
+        return r.is_cuda and common.residual_kernels_apply(r, (dout, dr, y, gate, *affine, scale, shift, *stats),
+                                                           (x_dtype,))
+
     def forward(x, y, gate, *args, fake=False):
         *affine, scale, shift, segment_ids, eps, r_dtype, out_dtype = args
         if fake:
             check_forward(x, gate, scale, shift, segment_ids)
         else:
-            common.validate(check_forward, (x, gate, scale, shift, segment_ids))
+            ops = common.cuda_kernels(take_forward, (x, y, gate, *affine, scale, shift, segment_ids), r_dtype,
+                                      out_dtype)
             check_ids(name, segment_ids, _segments(gate, scale, shift))
-            ops = _residual_kernels(x, (y, gate, *affine, scale, shift), (r_dtype, out_dtype))
             out = ops.residual_segmented_forward(x, y, gate, *_weight_bias(affine), scale, shift, segment_ids, eps,
                                                  r_dtype, out_dtype, rms) if ops else []
             if out:  # [r, out, mean (None for RMSNorm), rstd]
@@ -319,10 +324,10 @@ def register_residual(lib: torch.library.Library, base: str, params: tuple[str, 
         if fake:
             check_backward(r, gate, scale, shift, segment_ids)
         else:
-            common.validate(check_backward, (r, gate, scale, shift, segment_ids))
+            ops = common.cuda_kernels(take_backward, (dout, dr, r, y, gate, *affine, scale, shift, segment_ids,
+                                                      *rest[:-1]), rest[-1])
             check_ids(f"{name}_backward", segment_ids, _segments(gate, scale, shift))
             *stats, x_dtype = rest
-            ops = _residual_kernels(r, (dout, dr, y, gate, *affine, scale, shift, *stats), (x_dtype,))
             mean = (None,) if rms else ()  # (the binding's mean: None for RMSNorm)
             grads = ops.residual_segmented_backward(dout, dr, r, y, gate, *_weight_bias(affine), scale, shift,
                                                     segment_ids, *mean, *stats, x_dtype) if ops else []
