@@ -15,8 +15,15 @@ For each D and number of segments (their lengths a seeded random split of T):
 * accuracy of y and of every gradient against float64 (``--acc-N`` tokens, ``--acc-D`` widths; each
   number of segments).
 
+``--op residual`` times the Wan gated residual site instead (``residual_adaln_modulate``: r = x + gate·y,
+out = LayerNorm(r)·(1 + scale) + shift, gate, scale and shift one row a segment; backward with a
+gradient arriving at r too), against the same op per-sample and per-token: SoL counts 4 x-sized
+tensors forward (x, y, r, out) and 6 backward (dout, dr, r, y, dx, dy); no kept-bytes or accuracy
+columns (tests/ops/test_residual_segmented.py checks the values).
+
 Writes ``<out>/segmented_<tag>.json`` and ``.md`` with the GPU, torch version, date and exact command.
-Usage: python benchmarks/bench_segmented.py [--N 65536] [--D 1536 3072] [--segments 1 12 42] [--tag h200]
+Usage: python benchmarks/bench_segmented.py [--op adaln|residual] [--N 65536] [--D 1536 3072]
+[--segments 1 12 42] [--tag h200]
 """
 from __future__ import annotations
 
@@ -62,6 +69,38 @@ def layouts(x, s, h, ids):
     return {"per-sample": plain(s1, h1), "segmented": (seg_fwd, seg_bwd), "per-token": plain(st, ht)}
 
 
+def residual_layouts(x, s, h, ids):
+    """As :func:`layouts`, for the Wan gated residual site: y and the gate drawn here (gate one row a
+    segment, as scale and shift); the backward gets dout and dr (r flows on in the model)."""
+    y = torch.randn_like(x)
+    g = 0.1 * torch.randn_like(s)
+    ids_l = ids.long()
+
+    def plain(gate, scale, shift):
+        def fwd():
+            return OP.residual_adaln_modulate(x, y, gate, None, None, scale, shift, EPS, torch.bfloat16, torch.bfloat16)
+
+        def bwd(dy, out):
+            return OP.residual_adaln_modulate_backward(dy, dy, out[0], y, gate, None, None, scale, shift, out[2],
+                                                       out[3], torch.bfloat16)
+        return fwd, bwd
+
+    def seg_fwd():
+        return OP.residual_adaln_modulate_segmented(x, y, g, None, None, s, h, ids, EPS, torch.bfloat16, torch.bfloat16)
+
+    def seg_bwd(dy, out):
+        return OP.residual_adaln_modulate_segmented_backward(dy, dy, out[0], y, g, None, None, s, h, ids, out[2],
+                                                             out[3], torch.bfloat16)
+
+    return {"per-sample": plain(g[:1, None], s[:1, None], h[:1, None]), "segmented": (seg_fwd, seg_bwd),
+            "per-token": plain(g[ids_l][None], s[ids_l][None], h[ids_l][None])}
+
+
+# op -> (layouts, x-sized tensors SoL counts forward and backward, whether the kept-bytes and
+# accuracy columns are measured)
+OPS = {"adaln": (layouts, (2, 3), True), "residual": (residual_layouts, (4, 6), False)}
+
+
 def saved_bytes(x, s, h, ids, layout) -> int:
     """Bytes autograd keeps for backward, other than x and the per-row statistics."""
     xs, ss, hs = x.clone().requires_grad_(), s.detach().clone().requires_grad_(), h.detach().clone().requires_grad_()
@@ -99,7 +138,9 @@ def accuracy(T, D, n, gen) -> dict:
 def main(argv=None) -> int:
     parser = op_arguments(__doc__.splitlines()[0], [1536, 3072], "segmented")
     parser.add_argument("--segments", type=int, nargs="+", default=[1, 12, 42])
+    parser.add_argument("--op", choices=list(OPS), default="adaln")
     args = parser.parse_args(argv)
+    make_layouts, (k_fwd, k_bwd), extras = OPS[args.op]
     ready = start("bench_segmented.py")
     if ready is None:
         return 1
@@ -109,8 +150,8 @@ def main(argv=None) -> int:
         for n in args.segments:
             x, s, h, ids = make_inputs(args.N, D, n, gen)
             row = {"T": args.N, "D": D, "segments": n}
-            sol_fwd, sol_bwd = (k * x.numel() * x.element_size() / bw * 1e3 for k in (2, 3))
-            for name, (fwd, bwd) in layouts(x, s, h, ids).items():
+            sol_fwd, sol_bwd = (k * x.numel() * x.element_size() / bw * 1e3 for k in (k_fwd, k_bwd))
+            for name, (fwd, bwd) in make_layouts(x, s, h, ids).items():
                 out = fwd()
                 dy = torch.randn_like(x)
                 f_ms, b_ms = tt.do_bench(fwd), tt.do_bench(lambda: bwd(dy, out))
@@ -118,23 +159,27 @@ def main(argv=None) -> int:
                 same = all(all(torch.equal(a, b) for a, b in zip(first, bwd(dy, out))) for _ in range(4))
                 row[name] = {"fwd_ms": f_ms, "bwd_ms": b_ms, "fwd_frac_sol": sol_fwd / f_ms,
                              "bwd_frac_sol": sol_bwd / b_ms, "bit_identical_bwd": same,
-                             "saved_bytes_beyond_x": saved_bytes(x, s, h, ids, name)}
+                             "saved_bytes_beyond_x": saved_bytes(x, s, h, ids, name) if extras else None}
             rows.append(row)
             seg = row["segmented"]
             print(f"D={D} n={n}: segmented fwd {seg['fwd_ms']:.3f} ms ({100 * seg['fwd_frac_sol']:.0f}% SoL), "
                   f"bwd {seg['bwd_ms']:.3f} ms ({100 * seg['bwd_frac_sol']:.0f}%); per-sample "
                   f"{row['per-sample']['fwd_ms']:.3f} / {row['per-sample']['bwd_ms']:.3f}; per-token "
                   f"{row['per-token']['fwd_ms']:.3f} / {row['per-token']['bwd_ms']:.3f}", flush=True)
-    acc = [] if args.no_accuracy else [accuracy(args.acc_N, D, n, gen) for D in args.acc_D for n in args.segments]
+    acc = [] if args.no_accuracy or not extras else [accuracy(args.acc_N, D, n, gen) for D in args.acc_D
+                                                         for n in args.segments]
     finish("bench_segmented.py", argv if argv is not None else sys.argv[1:], args, "segmented", bw, rows, acc,
            markdown)
     return 0
 
 
 def markdown(doc: dict) -> str:
-    lines = [f"## adaln_modulate, segmented modulation layout ({doc['gpu']}, torch {doc['torch']}, {doc['date']})",
+    residual = "residual" in doc["command"]
+    op, counts = ("residual_adaln_modulate (Wan gated site)", "4, backward 6") if residual else ("adaln_modulate",
+                                                                                                "2, backward 3")
+    lines = [f"## {op}, segmented modulation layout ({doc['gpu']}, torch {doc['torch']}, {doc['date']})",
              "", f"Command: `{doc['command']}`", "",
-             "bf16 x [1, T, D], float32 scale and shift; SoL: per-sample bytes (forward 2, backward 3 x-sized "
+             f"bf16 x [1, T, D], float32 modulation; SoL: per-sample bytes (forward {counts} x-sized "
              f"tensors) over the copy bandwidth {doc['copy_tb_s']:.2f} TB/s. Kept: bytes autograd keeps "
              "for backward beyond x and the statistics.", "",
              "| T | D | segments | layout | fwd ms (SoL) | bwd ms (SoL) | kept MiB | bit-identical bwd |",
@@ -142,9 +187,10 @@ def markdown(doc: dict) -> str:
     for r in doc["rows"]:
         for name in ("per-sample", "segmented", "per-token"):
             c = r[name]
+            kept = "-" if c["saved_bytes_beyond_x"] is None else f"{c['saved_bytes_beyond_x'] / 2**20:.1f}"
             lines.append(f"| {r['T']} | {r['D']} | {r['segments']} | {name} | {c['fwd_ms']:.3f} "
                          f"({100 * c['fwd_frac_sol']:.0f}%) | {c['bwd_ms']:.3f} ({100 * c['bwd_frac_sol']:.0f}%) | "
-                         f"{c['saved_bytes_beyond_x'] / 2**20:.1f} | {c['bit_identical_bwd']} |")
+                         f"{kept} | {c['bit_identical_bwd']} |")
     if doc["accuracy"]:
         lines += ["", "Segmented accuracy vs float64 (||out - ref|| / ||ref||):", "",
                   "| T | D | segments | y | dx | dscale | dshift |", "|---|---|---|---|---|---|---|"]

@@ -5,8 +5,9 @@
 # partial last row tile; each case through adaln_modulate (LayerNorm) and rms_norm_modulate
 # (RMSNorm; scale-only in every third case) and the residual ops (residual_adaln_modulate gated in
 # every other case, residual_rms_norm_modulate on x + y, scale-only in every third case, else a plain
-# norm; dr given),
-# or only the ops named in SANITIZE_OPS ("adaln rms residual", the default). PyTorch's caching allocator is off so that every tensor is its own allocation and an
+# norm; dr given), and the segmented variants of all four (the case's rows as one pack of 5 segments,
+# ids unsorted int32 in every other case: the column kernel for unsorted ids),
+# or only the ops named in SANITIZE_OPS ("adaln rms residual segmented", the default). PyTorch's caching allocator is off so that every tensor is its own allocation and an
 # out-of-bounds access cannot land inside a neighbour.
 # Usage: [SANITIZE_OPS=rms] benchmarks/sanitize.sh [LOGDIR]   (exit status non-zero when a tool reports an error)
 set -uo pipefail
@@ -28,7 +29,11 @@ rms, rms_bwd = torch.ops.adaptiveload.rms_norm_modulate, torch.ops.adaptiveload.
 res, res_bwd = torch.ops.adaptiveload.residual_adaln_modulate, torch.ops.adaptiveload.residual_adaln_modulate_backward
 res_rms = torch.ops.adaptiveload.residual_rms_norm_modulate
 res_rms_bwd = torch.ops.adaptiveload.residual_rms_norm_modulate_backward
-ops = os.environ.get("SANITIZE_OPS", "adaln rms residual").split()
+ops = os.environ.get("SANITIZE_OPS", "adaln rms residual segmented").split()
+seg_ops = [getattr(torch.ops.adaptiveload, f"{name}_segmented") for name in
+           ("adaln_modulate", "rms_norm_modulate", "residual_adaln_modulate", "residual_rms_norm_modulate")]
+seg_bwd = [getattr(torch.ops.adaptiveload, f"{name}_segmented_backward") for name in
+           ("adaln_modulate", "rms_norm_modulate", "residual_adaln_modulate", "residual_rms_norm_modulate")]
 g = torch.Generator(device="cuda").manual_seed(0)
 cases = [  # (B, N, D, x dtype, modulation dtype, layout, affine)
     (2, 37, 1536, torch.bfloat16, torch.float32, "strided", False),
@@ -84,6 +89,20 @@ for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
             s = (scale, None, None)[i % 3]
             r, out, rstd = res_rms(x, yb, None, w, s, None, 1e-6, xdt, xdt)
             grads = res_rms_bwd(torch.randn_like(out), torch.randn_like(r), r, None, None, w, s, None, rstd, xdt)
+        if "segmented" in ops:  # x [B*N, D] as one pack of 5 segments of random lengths (some may be empty)
+            xs, ys = x.reshape(B * N, D), torch.randn(B * N, D, device="cuda", generator=g).to(xdt)
+            ids = torch.randint(0, 5, (B * N,), device="cuda", generator=g)
+            ids = ids.int() if i % 2 == 1 else ids.sort().values
+            ms, mh, mg = torch.randn(3, 5, D, device="cuda", generator=g).to(mdt).unbind(0)
+            y, mean, rstd = seg_ops[0](xs, w, b, ms, mh, ids, 1e-6, xdt)
+            grads = seg_bwd[0](torch.randn_like(y), xs, w, b, ms, mh, ids, mean, rstd)
+            h = None if i % 3 == 2 else mh
+            y, rstd = seg_ops[1](xs, w, ms, h, ids, 1e-6, xdt)
+            grads = seg_bwd[1](torch.randn_like(y), xs, w, ms, h, ids, rstd)
+            r, out, mean, rstd = seg_ops[2](xs, ys, mg, w, b, ms, mh, ids, 1e-6, xdt, xdt)
+            grads = seg_bwd[2](torch.randn_like(out), torch.randn_like(r), r, ys, mg, w, b, ms, mh, ids, mean, rstd, xdt)
+            r, out, rstd = seg_ops[3](xs, ys, mg, w, ms, h, ids, 1e-6, xdt, xdt)
+            grads = seg_bwd[3](torch.randn_like(out), None, r, ys, mg, w, ms, h, ids, rstd, xdt)
         torch.cuda.synchronize()
     print("ok", ops, B, N, D, xdt, mdt, layout, affine, settings, flush=True)
 PY

@@ -130,14 +130,19 @@ ModView seg_view(const Tensor& m, const Tensor& x, const char* name) {
   return v;
 }
 
-// segment_ids: int32 / int64 [T], contiguous, on x's device (x viewed as [1, T, D]).
-void check_ids(const Tensor& ids, const Tensor& x) {
+// segment_ids: int32 / int64 [T], contiguous, on x's device (x viewed as [1, T, D]), of `count` segments.
+Segments segment_ids_view(const Tensor& ids, const Tensor& x, int64_t count) {
   check_same_device(ids, x, "segment_ids");
   TORCH_CHECK(x.size(0) == 1, "norm_modulate kernels: a segmented x must be viewed as [1, T, D], got ", x.sizes());
   TORCH_CHECK((ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong) && ids.dim() == 1 &&
                   ids.size(0) == x.size(1) && ids.is_contiguous(),
               "norm_modulate kernels: segment_ids must be a contiguous int32 or int64 [", x.size(1), "], got shape ",
               ids.sizes(), " dtype ", ids.scalar_type());
+  Segments s;
+  s.ids = ids.data_ptr();
+  s.ids64 = ids.scalar_type() == at::kLong;
+  s.count = count;
+  return s;
 }
 
 namespace {
@@ -177,6 +182,15 @@ void segment_starts(const Tensor& ids, int64_t segments, int64_t* start) {
   else
     segment_starts_kernel<<<blocks, threads, 0, stream>>>(ids.data_ptr<int32_t>(), T, segments, start);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+Tensor segment_start_rows(const Tensor& ids, Segments& s) {
+  Tensor starts = at::empty({s.count + 2}, ids.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cudaMemsetAsync(starts.data_ptr<int64_t>() + s.count + 1, 0, sizeof(int64_t),
+                                 c10::cuda::getCurrentCUDAStream(ids.get_device()).stream()));
+  segment_starts(ids, s.count, starts.data_ptr<int64_t>());
+  s.start = starts.data_ptr<int64_t>();
+  return starts;
 }
 
 void check_mod_dtype(const Tensor& m, const Tensor& x, const char* name) {
@@ -258,9 +272,7 @@ void fill_rows(Args& a, Norm norm, const Tensor& x, const optional<Tensor>& weig
   a.scale = seg.has_value() ? seg_view(scale, x, "scale") : mod_view(scale, x, "scale");
   if (shift.has_value()) a.shift = seg.has_value() ? seg_view(*shift, x, "shift") : mod_view(*shift, x, "shift");
   if (seg.has_value()) {
-    check_ids(*seg, x);
-    a.seg = seg->data_ptr();
-    a.seg64 = seg->scalar_type() == at::kLong;
+    a.seg = segment_ids_view(*seg, x, scale.size(0));
   }
   a.B = x.size(0);
   a.N = x.size(1);
@@ -365,14 +377,9 @@ std::vector<Tensor> backward_rows(Norm norm, const Tensor& dy, const Tensor& x, 
   Tensor starts;
   if (seg.has_value()) {
     if (a.stages == 0 || a.two_kernel) return {};  // (the ring kernel only)
-    a.segments = rows;
-    starts = at::empty({rows + 2}, x.options().dtype(at::kLong));
-    a.seg_start = starts.data_ptr<int64_t>();
-    C10_CUDA_CHECK(cudaMemsetAsync(starts.data_ptr<int64_t>() + rows + 1, 0, sizeof(int64_t),
-                                   c10::cuda::getCurrentCUDAStream(x.get_device()).stream()));
-    segment_starts(*seg, rows, starts.data_ptr<int64_t>());
+    starts = segment_start_rows(*seg, a.seg);
   }
-  a.pieces = seg.has_value() ? a.tiles + a.segments : a.tiles * B;  // (the workspace: piece_of)
+  a.pieces = seg.has_value() ? a.tiles + a.seg.count : a.tiles * B;  // (the workspace: piece_of)
   auto ws = at::empty({3, a.pieces, D}, f32);
   a.ws = ws.data_ptr<float>();
   a.aligned = a.aligned && aligned16(a.ws);
@@ -482,41 +489,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rms_backward(const Tensor& dy, const 
   return {g[0], g[1], g[3], g[4]};
 }
 
-// The ops' CUDA bodies (norm_modulate_ops.h), for the dispatcher kernels (norm_modulate_dispatch.cu)
-// and the bindings below.
-// {y, mean (undefined for RMSNorm), rstd} in x's shape, y in out_dtype, the per-row statistics in
-// fp32: the CUDA body of either op's forward
-std::vector<Tensor> op_forward(Norm norm, const Tensor& x, const optional<Tensor>& weight,
-                               const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                               double eps, at::ScalarType out_dtype) {
-  const int64_t B = x.size(0), D = x.size(-1);
-  const auto [scale_rows, shift_rows] = scale_shift_rows(x, scale, shift);
-  auto out = forward_rows(norm, x.contiguous().view({B, -1, D}), affine_f32(weight), affine_f32(bias), scale_rows,
-                          shift_rows, eps, out_dtype != x.scalar_type());
-  Tensor y = out[0];
-  if (out_dtype != x.scalar_type() && out_dtype != at::kFloat) y = y.to(out_dtype);
-  return {y.view(x.sizes()), out[1].defined() ? out[1].view(stat_shape(x)) : out[1], out[2].view(stat_shape(x))};
-}
-
-// {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (an empty tensor for an
-// absent input): the CUDA body of either op's backward (mean: none for RMSNorm)
-std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x, const optional<Tensor>& weight,
-                                const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                                const optional<Tensor>& mean, const Tensor& rstd) {
-  const int64_t B = x.size(0), D = x.size(-1);
-  const Tensor dy = dy_in.scalar_type() == x.scalar_type() || dy_in.scalar_type() == at::kFloat ? dy_in : dy_in.to(at::kFloat);
-  const auto [scale_rows, shift_rows] = scale_shift_rows(x, scale, shift);
-  optional<Tensor> mean_rows;
-  if (mean.has_value()) mean_rows = stat_rows(*mean);
-  auto g = backward_rows(norm, dy.contiguous().view({B, -1, D}), x.contiguous().view({B, -1, D}), affine_f32(weight),
-                         affine_f32(bias), scale_rows, shift_rows, mean_rows, stat_rows(rstd));
-  optional<Tensor> dweight, dbias, dshift;
-  if (weight.has_value()) dweight = g[3].to(weight->scalar_type());
-  if (bias.has_value()) dbias = g[4].to(bias->scalar_type());
-  if (shift.has_value()) dshift = mod_grad(g[2], *shift, x);
-  return {g[0].view(x.sizes()), or_empty(dweight, x), or_empty(dbias, x), mod_grad(g[1], scale, x), or_empty(dshift, x)};
-}
-
 // The segmented layout (adaptiveload/ops/segmented.py): x [..., D] of T rows, scale and shift
 // [segments, D], segment_ids [T]. Scale and shift as the kernels read them: in their dtype when they
 // agree and it is x's or float32, else float32; unit stride along D.
@@ -532,44 +504,51 @@ std::pair<Tensor, optional<Tensor>> segment_rows(const Tensor& x, const Tensor& 
   return {rows(scale), shift_rows};
 }
 
-// {y, mean (undefined for RMSNorm), rstd} in x's shape, or {} where the kernel cannot run (unaligned
-// rows, wide rows, no sm_90 ring): the CUDA body of either segmented op's forward
-std::vector<Tensor> op_forward_segmented(Norm norm, const Tensor& x, const optional<Tensor>& weight,
-                                         const optional<Tensor>& bias, const Tensor& scale,
-                                         const optional<Tensor>& shift, const Tensor& segment_ids, double eps,
-                                         at::ScalarType out_dtype) {
-  const int64_t D = x.size(-1);
-  const auto [scale_rows, shift_rows] = segment_rows(x, scale, shift);
-  auto out = forward_rows(norm, x.contiguous().view({1, -1, D}), affine_f32(weight), affine_f32(bias), scale_rows,
-                          shift_rows, eps, out_dtype != x.scalar_type(), segment_ids.contiguous());
+// The ops' CUDA bodies (norm_modulate_ops.h), for the dispatcher kernels (norm_modulate_dispatch.cu)
+// and the bindings below. With segment_ids: the segmented layout (x viewed as one sequence, scale
+// and shift [segments, D]), {} where its kernel cannot run.
+
+// {y, mean (undefined for RMSNorm), rstd} in x's shape, y in out_dtype, the per-row statistics in
+// fp32: the CUDA body of either op's forward
+std::vector<Tensor> op_forward(Norm norm, const Tensor& x, const optional<Tensor>& weight,
+                               const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                               double eps, at::ScalarType out_dtype, const optional<Tensor>& segment_ids) {
+  const bool segmented = segment_ids.has_value();
+  const int64_t B = segmented ? 1 : x.size(0), D = x.size(-1);
+  const auto [scale_rows, shift_rows] = segmented ? segment_rows(x, scale, shift) : scale_shift_rows(x, scale, shift);
+  optional<Tensor> ids;
+  if (segmented) ids = segment_ids->contiguous();
+  auto out = forward_rows(norm, x.contiguous().view({B, -1, D}), affine_f32(weight), affine_f32(bias), scale_rows,
+                          shift_rows, eps, out_dtype != x.scalar_type(), ids);
   if (out.empty()) return {};
   Tensor y = out[0];
   if (out_dtype != x.scalar_type() && out_dtype != at::kFloat) y = y.to(out_dtype);
   return {y.view(x.sizes()), out[1].defined() ? out[1].view(stat_shape(x)) : out[1], out[2].view(stat_shape(x))};
 }
 
-// {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (an empty tensor for an absent
-// input), or {} where the one-pass kernel cannot run (backward_rows): the CUDA body of either
-// segmented op's backward (mean: none for RMSNorm)
-std::vector<Tensor> op_backward_segmented(Norm norm, const Tensor& dy_in, const Tensor& x,
-                                          const optional<Tensor>& weight, const optional<Tensor>& bias,
-                                          const Tensor& scale, const optional<Tensor>& shift,
-                                          const Tensor& segment_ids, const optional<Tensor>& mean,
-                                          const Tensor& rstd) {
-  const int64_t D = x.size(-1);
+// {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (an empty tensor for an
+// absent input): the CUDA body of either op's backward (mean: none for RMSNorm)
+std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x, const optional<Tensor>& weight,
+                                const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                                const optional<Tensor>& mean, const Tensor& rstd,
+                                const optional<Tensor>& segment_ids) {
+  const bool segmented = segment_ids.has_value();
+  const int64_t B = segmented ? 1 : x.size(0), D = x.size(-1);
   const Tensor dy = dy_in.scalar_type() == x.scalar_type() || dy_in.scalar_type() == at::kFloat ? dy_in : dy_in.to(at::kFloat);
-  const auto [scale_rows, shift_rows] = segment_rows(x, scale, shift);
-  optional<Tensor> mean_rows;
+  const auto [scale_rows, shift_rows] = segmented ? segment_rows(x, scale, shift) : scale_shift_rows(x, scale, shift);
+  optional<Tensor> mean_rows, ids;
   if (mean.has_value()) mean_rows = stat_rows(*mean);
-  auto g = backward_rows(norm, dy.contiguous().view({1, -1, D}), x.contiguous().view({1, -1, D}), affine_f32(weight),
-                         affine_f32(bias), scale_rows, shift_rows, mean_rows, stat_rows(rstd), segment_ids.contiguous());
+  if (segmented) ids = segment_ids->contiguous();
+  auto g = backward_rows(norm, dy.contiguous().view({B, -1, D}), x.contiguous().view({B, -1, D}), affine_f32(weight),
+                         affine_f32(bias), scale_rows, shift_rows, mean_rows, stat_rows(rstd), ids);
   if (g.empty()) return {};
+  // a modulation gradient: per-segment rows in the modulation's dtype, else summed where it broadcasts
+  auto mod = [&](const Tensor& gm, const Tensor& m) { return segmented ? gm.to(m.scalar_type()) : mod_grad(gm, m, x); };
   optional<Tensor> dweight, dbias, dshift;
   if (weight.has_value()) dweight = g[3].to(weight->scalar_type());
   if (bias.has_value()) dbias = g[4].to(bias->scalar_type());
-  if (shift.has_value()) dshift = g[2].to(shift->scalar_type());
-  return {g[0].view(x.sizes()), or_empty(dweight, x), or_empty(dbias, x), g[1].to(scale.scalar_type()),
-          or_empty(dshift, x)};
+  if (shift.has_value()) dshift = mod(g[2], *shift);
+  return {g[0].view(x.sizes()), or_empty(dweight, x), or_empty(dbias, x), mod(g[1], scale), or_empty(dshift, x)};
 }
 
 }  // namespace adaln
@@ -651,8 +630,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const at::Tensor& x, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
            const at::Tensor& scale, const c10::optional<at::Tensor>& shift, const at::Tensor& segment_ids, double eps,
            at::ScalarType out_dtype, bool rms) {
-          return adaln::op_forward_segmented(rms ? adaln::Norm::RMS : adaln::Norm::Layer, x, weight, bias, scale,
-                                             shift, segment_ids, eps, out_dtype);
+          return adaln::op_forward(rms ? adaln::Norm::RMS : adaln::Norm::Layer, x, weight, bias, scale, shift, eps,
+                                   out_dtype, segment_ids);
         },
         "[y, mean (None for RMSNorm), rstd] = segmented_forward(x[...,D], weight?, bias?, scale[n,D], shift?[n,D], "
         "segment_ids[T], eps, out_dtype, rms): the CUDA body of adaptiveload::{adaln,rms_norm}_modulate_segmented "
@@ -663,14 +642,44 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
            const c10::optional<at::Tensor>& bias, const at::Tensor& scale, const c10::optional<at::Tensor>& shift,
            const at::Tensor& segment_ids, const c10::optional<at::Tensor>& mean, const at::Tensor& rstd) {
-          return adaln::op_backward_segmented(mean.has_value() ? adaln::Norm::Layer : adaln::Norm::RMS, dy, x, weight,
-                                              bias, scale, shift, segment_ids, mean, rstd);
+          return adaln::op_backward(mean.has_value() ? adaln::Norm::Layer : adaln::Norm::RMS, dy, x, weight, bias,
+                                    scale, shift, mean, rstd, segment_ids);
         },
         "[dx, dweight, dbias, dscale, dshift] = segmented_backward(dy, x, weight?, bias?, scale, shift?, segment_ids, "
         "mean (None for RMSNorm), rstd), or [] where the kernel cannot run: the CUDA body of the segmented "
         "ops' backward",
         py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"),
         py::arg("segment_ids"), py::arg("mean"), py::arg("rstd"));
+  m.def("residual_segmented_forward",
+        [](const at::Tensor& x, const at::Tensor& y, const c10::optional<at::Tensor>& gate,
+           const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+           const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& shift,
+           const at::Tensor& segment_ids, double eps, at::ScalarType r_dtype, at::ScalarType out_dtype, bool rms) {
+          return adaln::residual_op_forward(rms ? adaln::Norm::RMS : adaln::Norm::Layer, x, y, gate, weight, bias,
+                                            scale, shift, eps, r_dtype, out_dtype, segment_ids);
+        },
+        "[r, out, mean (None for RMSNorm), rstd] = residual_segmented_forward(x[...,D], y, gate?[n,D], weight?, bias?, "
+        "scale?[n,D], shift?[n,D], segment_ids[T], eps, r_dtype, out_dtype, rms), or [] where the kernel cannot run: "
+        "the CUDA body of adaptiveload::residual_{adaln,rms_norm}_modulate_segmented",
+        py::arg("x"), py::arg("y"), py::arg("gate"), py::arg("weight"), py::arg("bias"), py::arg("scale"),
+        py::arg("shift"), py::arg("segment_ids"), py::arg("eps"), py::arg("r_dtype"), py::arg("out_dtype"),
+        py::arg("rms"));
+  m.def("residual_segmented_backward",
+        [](const at::Tensor& dout, const c10::optional<at::Tensor>& dr, const at::Tensor& r,
+           const c10::optional<at::Tensor>& y, const c10::optional<at::Tensor>& gate,
+           const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+           const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& shift,
+           const at::Tensor& segment_ids, const c10::optional<at::Tensor>& mean, const at::Tensor& rstd,
+           at::ScalarType x_dtype) {
+          return adaln::residual_op_backward(mean.has_value() ? adaln::Norm::Layer : adaln::Norm::RMS, dout, dr, r, y,
+                                             gate, weight, bias, scale, shift, mean, rstd, x_dtype, segment_ids);
+        },
+        "[dx, dy, dgate, dweight, dbias, dscale, dshift] = residual_segmented_backward(dout, dr?, r, y?, gate?, weight?, "
+        "bias?, scale?, shift?, segment_ids, mean (None for RMSNorm), rstd, x_dtype), or [] where the kernel cannot "
+        "run: the CUDA body of the residual segmented ops' backward",
+        py::arg("dout"), py::arg("dr"), py::arg("r"), py::arg("y"), py::arg("gate"), py::arg("weight"),
+        py::arg("bias"), py::arg("scale"), py::arg("shift"), py::arg("segment_ids"), py::arg("mean"), py::arg("rstd"),
+        py::arg("x_dtype"));
   m.def("set_tuning", &adaln::set_tuning,
         "force kernel choices, process-wide (adaptiveload.ops._tuning.override; benchmarks and tests): "
         "max_threads (0: automatic), fwd_stages / bwd_stages (-1: automatic), store (-1: automatic, 0 threads, "

@@ -10,8 +10,8 @@
 // x is viewed as [B, N, D] (row-major, contiguous); a modulation tensor is addressed as
 //   ptr + batch * sb + token * sn + d        (element strides; sb = 0 when its batch is 1 or it is
 // shared, sn = 0 when it is per-sample or shared), so a strided .chunk() view needs no copy. The
-// segmented layout (packs; FwdArgs::seg) views x as [1, T, D] and reads row n's modulation from row
-// seg[n] of an [n_segments, D] tensor.
+// segmented layout (packs; Segments) views x as [1, T, D] and reads row n's modulation from row
+// ids[n] of an [n_segments, D] tensor.
 // This header holds no torch types: the .cu files that include it compile fast and in parallel.
 #pragma once
 
@@ -43,6 +43,19 @@ constexpr int kMaxFeatures = 16384;
 // The forward's shared-memory row ring (sm_90 bulk copies) holds at most kMaxStages slots (a slot:
 // an x row, plus its per-token modulation rows when there are any).
 constexpr int kMaxStages = 8;
+
+// The segmented layout (packs): x is one sequence (B = 1) of samples of different lengths, and row n
+// takes the modulation row ids[n] of [count, D] tensors (ModView::sb: the stride between those rows).
+// start [count + 2] (the backward's; nullptr in the forward): with ids that never decrease the first
+// row of each segment, then T; last, 0 when the ids never decrease, else 1 (segment_starts_kernel in
+// norm_modulate.cu writes it).
+struct Segments {
+  const void* ids = nullptr;  // int32 or int64 [T]; nullptr: the [B, N, D] layout
+  bool ids64 = false;
+  const int64_t* start = nullptr;
+  int64_t count = 0;
+  __host__ __device__ bool on() const { return ids != nullptr; }
+};
 
 struct ModView {
   const void* ptr = nullptr;  // nullptr: absent (shift only)
@@ -86,11 +99,7 @@ struct FwdArgs {
   int tail_pct = -1;
   int tail_rows = 8;
   int64_t main_rows = 0, tail_blocks = 0;
-  // Segmented layout (packs; per-sample or shared modulation only): x is one sequence (B = 1) of
-  // samples of different lengths, and row n takes the modulation row seg[n] (scale.sb / shift.sb:
-  // the stride between those rows). nullptr: the [B, N, D] layout above.
-  const void* seg = nullptr;
-  bool seg64 = false;  // seg holds int64 (else int32)
+  Segments seg;  // the segmented layout (per-sample or shared modulation only), or off
 };
 
 struct BwdArgs {
@@ -123,13 +132,7 @@ struct BwdArgs {
   int max_threads = 0;  // as FwdArgs::max_threads
   int stages = 0;  // rows (x and dy) of the row kernel's shared-memory ring, as FwdArgs::stages
   int threads = 0, chunks = 0;  // the row kernel's block: threads, 16-byte chunks a thread (backward_plan)
-  // Segmented layout, as FwdArgs::seg (the one-pass ring kernel only). seg_start [segments + 2]:
-  // with non-decreasing ids the first row of each segment, then T (the final reduction's pieces);
-  // last, 0 when the ids never decrease, else 1 (then seg_col_kernel sums each segment instead)
-  const void* seg = nullptr;
-  bool seg64 = false;
-  const int64_t* seg_start = nullptr;
-  int64_t segments = 0;
+  Segments seg;  // the segmented layout (the one-pass ring kernel only), or off
   int64_t pieces = 0;  // workspace rows a plane (column_pieces), set by the host after backward_plan
 };
 
@@ -656,9 +659,9 @@ struct AnyRows {
   }
 };
 
-// The segment of row n (FwdArgs::seg).
-__device__ __forceinline__ int64_t seg_of(const void* seg, bool seg64, int64_t n) {
-  return seg64 ? static_cast<const int64_t*>(seg)[n] : static_cast<const int32_t*>(seg)[n];
+// The segment of row n.
+__device__ __forceinline__ int64_t seg_of(const Segments& s, int64_t n) {
+  return s.ids64 ? static_cast<const int64_t*>(s.ids)[n] : static_cast<const int32_t*>(s.ids)[n];
 }
 
 // The backward's workspace: [planes, pieces, D] fp32 column partial sums, one piece per (row tile,
@@ -674,16 +677,16 @@ struct Pieces {
 __host__ __device__ inline int64_t piece_of(int64_t tile, int64_t b, int64_t B, bool segmented) {
   return segmented ? tile + b : tile * B + b;
 }
-// Ids in any other order: seg_col_kernel leaves segment s's sums in piece s. seg_start: nullptr
-// (per-sample layout) or BwdArgs::seg_start of `segments` segments.
-__device__ __forceinline__ bool ids_sorted(const int64_t* seg_start, int64_t segments) {
-  return seg_start[segments + 1] == 0;
-}
-__device__ __forceinline__ Pieces column_pieces(int64_t b, int64_t tiles, int64_t B, const int64_t* seg_start,
-                                                int64_t segments, int64_t rows_per_tile) {
-  if (seg_start == nullptr) return {b, tiles, B};
-  if (!ids_sorted(seg_start, segments)) return {b, 1, 1};
-  const int64_t r0 = seg_start[b], r1 = seg_start[b + 1];
+// Segments a pass of the segmented column kernels (ids out of order): their accumulators in shared
+// memory, 2 or 3 planes x kSegColSegments x 32 floats (the residual's 48 KB, the static limit).
+constexpr int kSegColSegments = 128;
+// Ids in any other order: the segmented column kernel leaves segment s's sums in piece s.
+__device__ __forceinline__ bool ids_sorted(const Segments& s) { return s.start[s.count + 1] == 0; }
+__device__ __forceinline__ Pieces column_pieces(int64_t b, int64_t tiles, int64_t B, const Segments& seg,
+                                                int64_t rows_per_tile) {
+  if (!seg.on()) return {b, tiles, B};
+  if (!ids_sorted(seg)) return {b, 1, 1};
+  const int64_t r0 = seg.start[b], r1 = seg.start[b + 1];
   if (r0 >= r1) return {0, 0, 1};  // a segment without rows: zeros
   const int64_t t0 = r0 / rows_per_tile, t1 = (r1 - 1) / rows_per_tile;
   return {t0 + b, t1 - t0 + 1, 1};

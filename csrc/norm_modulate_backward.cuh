@@ -22,7 +22,7 @@
 // a.stages slots in shared memory filled by bulk copies a.stages rows ahead (as the forward's RING),
 // instead of the one-row register prefetch; a slot is refilled after the row's block reduction.
 //
-// Segmented layout (SEG, the ring kernel only; BwdArgs::seg): a pack as one sequence. With ids that
+// Segmented layout (SEG, the ring kernel only; BwdArgs::seg, Segments): a pack as one sequence. With ids that
 // never decrease, a tile is cut where the segment changes and each part's P0, P1 go to their own
 // workspace piece (piece_of); the final reduction sums each segment's pieces. With ids in any other
 // order (flagged on the device by the id kernel) the row kernel writes dx only and seg_col_kernel
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   // column partials are compiled out, so the dx-only kernel keeps its rows in registers
   constexpr bool kOnePass = SPT || C <= bwd_ring_chunks<Tx>();
   // (segmented layout with ids out of order: dx only, seg_col_kernel sums the segments)
-  const bool al = a.aligned, accum = kOnePass && !a.two_kernel && (!SEG || ids_sorted(a.seg_start, a.segments));
+  const bool al = a.aligned, accum = kOnePass && !a.two_kernel && (!SEG || ids_sorted(a.seg));
   const Tx* __restrict__ x = static_cast<const Tx*>(a.x);
   const Tdy* __restrict__ dy = static_cast<const Tdy*>(a.dy);
   Tx* __restrict__ dx = static_cast<Tx*>(a.dx);
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   // Segmented layout (SEG): the tile's rows are cut where the segment
   // changes, each part's partials flushed to its own piece and the coefficients recomputed (each
   // thread its own columns: no barrier)
-  int64_t seg_cur = SEG ? seg_of(a.seg, a.seg64, n0) : 0, seg_next = seg_cur;  // (the next row's, read a row ahead)
+  int64_t seg_cur = SEG ? seg_of(a.seg, n0) : 0, seg_next = seg_cur;  // (the next row's, read a row ahead)
 #pragma unroll
   for (int c = 0; c < C; ++c) {
     const int col = (c * T + tid) * VEC;
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   for (int64_t n = n0; n < n1; ++n) {
     if constexpr (SEG) {  // at the top of the row, where few registers are live
       const int64_t m = seg_next;
-      if (n + 1 < n1) seg_next = seg_of(a.seg, a.seg64, n + 1);
+      if (n + 1 < n1) seg_next = seg_of(a.seg, n + 1);
       if (m != seg_cur) {  // the previous segment's part of the tile is complete
 #pragma unroll
         for (int c = 0; c < C; ++c) {
@@ -326,20 +326,19 @@ __global__ void __launch_bounds__(256) bwd_col_kernel(const BwdArgs a) {
 // fixed order. Leaves P0 = sum dy * x_hat and P1 = sum dy of segment s in piece s of the workspace
 // (column_pieces). Slow (one warp streams all rows of 32 features), but only ids that are not a
 // pack's take it.
-constexpr int kSegColSegments = 128;
 template <Norm N, typename Tx, typename Tdy>
 __global__ void __launch_bounds__(32) seg_col_kernel(const BwdArgs a) {
-  if (ids_sorted(a.seg_start, a.segments)) return;
+  if (ids_sorted(a.seg)) return;
   __shared__ float acc[2][kSegColSegments][32];
   const int tx = threadIdx.x, d = blockIdx.x * 32 + tx;
   const Tx* __restrict__ x = static_cast<const Tx*>(a.x);
   const Tdy* __restrict__ dy = static_cast<const Tdy*>(a.dy);
   const int64_t plane = a.pieces * a.D, T = a.N;
-  for (int64_t s0 = 0; s0 < a.segments; s0 += kSegColSegments) {
+  for (int64_t s0 = 0; s0 < a.seg.count; s0 += kSegColSegments) {
     for (int i = 0; i < kSegColSegments; ++i) acc[0][i][tx] = acc[1][i][tx] = 0.f;
     if (d < a.D) {
       for (int64_t n = 0; n < T; ++n) {
-        const int64_t s = seg_of(a.seg, a.seg64, n) - s0;
+        const int64_t s = seg_of(a.seg, n) - s0;
         if (s < 0 || s >= kSegColSegments) continue;
         const float mean = N == Norm::RMS ? 0.f : a.mean[n];
         const float xh = (to_f<Tx>(x[n * a.D + d]) - mean) * a.rstd[n];
@@ -347,7 +346,7 @@ __global__ void __launch_bounds__(32) seg_col_kernel(const BwdArgs a) {
         acc[0][s][tx] += g * xh;
         acc[1][s][tx] += g;
       }
-      for (int64_t s = s0; s < min(a.segments, s0 + kSegColSegments); ++s) {
+      for (int64_t s = s0; s < min(a.seg.count, s0 + kSegColSegments); ++s) {
         a.ws[s * a.D + d] = acc[0][s - s0][tx];
         a.ws[plane + s * a.D + d] = acc[1][s - s0][tx];
       }
@@ -370,10 +369,10 @@ __global__ void __launch_bounds__(512) bwd_reduce_kernel(const BwdArgs a) {
   const float w = (a.weight && d < a.D) ? a.weight[d] : 1.f;
   const float bb = (a.bias && d < a.D) ? a.bias[d] : 0.f;
   float dw = 0.f, db = 0.f;
-  const int64_t samples = a.seg ? a.segments : a.B;  // (segmented: per segment)
+  const int64_t samples = a.seg.on() ? a.seg.count : a.B;  // (segmented: per segment)
   for (int64_t b = 0; b < samples; ++b) {
     float s[3];
-    tile_column_sums<3>(a.ws, plane, column_pieces(b, a.tiles, a.B, a.seg_start, a.segments, a.rows_per_tile), a.D, d, use, part, s);
+    tile_column_sums<3>(a.ws, plane, column_pieces(b, a.tiles, a.B, a.seg, a.rows_per_tile), a.D, d, use, part, s);
     if (ty == 0 && d < a.D) {
       if (!SPT) {
         const float f = 1.f + to_f<Tm>(sc[b * a.scale.sb + d]);
@@ -409,7 +408,7 @@ struct BwdKernels {
   template <typename F>
   static void with_kernel(const BwdArgs& a, const F& f) {  // the ring's row kernel, or the register one
     if constexpr (kRing && !SPT) {
-      if (a.seg && a.stages > 0) return f(bwd_row_kernel<N, Tx, Tm, Tdy, C, false, true, true>);
+      if (a.seg.on() && a.stages > 0) return f(bwd_row_kernel<N, Tx, Tm, Tdy, C, false, true, true>);
     }
     if constexpr (kRing) {
       if (a.stages > 0) return f(bwd_row_kernel<N, Tx, Tm, Tdy, C, SPT, true>);
@@ -438,7 +437,7 @@ struct BwdKernels {
       bwd_col_kernel<N, Tx, Tm, Tdy, SPT><<<grid, dim3(32, 8), 0, stream>>>(a);
     }
     if constexpr (!SPT) {
-      if (a.seg) seg_col_kernel<N, Tx, Tdy><<<(a.D + 31) / 32, 32, 0, stream>>>(a);
+      if (a.seg.on()) seg_col_kernel<N, Tx, Tdy><<<(a.D + 31) / 32, 32, 0, stream>>>(a);
     }
     bwd_reduce_kernel<Tm, SPT><<<(a.D + 31) / 32, dim3(32, 16), 0, stream>>>(a);
   }
@@ -463,7 +462,7 @@ void bwd_run(BwdArgs& a, bool launch, cudaStream_t stream) {
   const RowShape ring =
       ring_row_shape(a.D, a.xt, a.max_threads, SPT ? bwd_ring_chunks_per_token<N, Tx>() : bwd_ring_chunks<Tx>());
   plan(ring);
-  if (a.seg) return;  // the segmented layout: the ring kernel or nothing (a.stages == 0)
+  if (a.seg.on()) return;  // the segmented layout: the ring kernel or nothing (a.stages == 0)
   if (a.stages == 0 && (ring.threads != regs.threads || ring.chunks != regs.chunks)) plan(regs);
   if (!SPT && a.chunks > bwd_ring_chunks<Tx>()) a.two_kernel = true;  // see kBwdRingElems
 }

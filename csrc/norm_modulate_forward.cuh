@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   // Segmented layout (SEG): the coefficients of the current row's segment; where the segment
   // changes each thread recomputes its own columns (no barrier: no thread reads another's), at the
   // top of the row, where few registers are live; the next row's segment is read a row ahead.
-  int64_t seg_cur = SEG ? seg_of(a.seg, a.seg64, row(0)) : 0, seg_next = seg_cur;
+  int64_t seg_cur = SEG ? seg_of(a.seg, row(0)) : 0, seg_next = seg_cur;
 #pragma unroll
   for (int c = 0; c < C; ++c) {  // (with the ring: while the first rows land)
     float w[VEC], bb[VEC];
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
     const int64_t n = row(k);
     if constexpr (SEG) {
       const int64_t m = seg_next;
-      if (k + 1 < count) seg_next = seg_of(a.seg, a.seg64, row(k + 1));
+      if (k + 1 < count) seg_next = seg_of(a.seg, row(k + 1));
       if (m != seg_cur) {
 #pragma unroll
         for (int c = 0; c < C; ++c) {
@@ -350,7 +350,7 @@ bool fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
     if (stages > 0) go(kernel, ring, stages);
     ran = stages > 0;
   };
-  if (a0.seg) {  // the segmented layout: the ring kernel only (else not taken)
+  if (a0.seg.on()) {  // the segmented layout: the ring kernel only (else not taken)
     if (pt || ring.chunks > kRingChunks) return false;
     with_chunk_count<kRingChunks>(ring.chunks, [&](auto chunks) {
       constexpr int kC = decltype(chunks)::value;

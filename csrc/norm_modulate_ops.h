@@ -12,31 +12,38 @@
 
 namespace adaln {
 
-// {y, mean (undefined for RMSNorm), rstd} in x's shape: the CUDA body of either op's forward
+// {y, mean (undefined for RMSNorm), rstd} in x's shape: the CUDA body of either op's forward. With
+// segment_ids (int [T]): the segmented layout, scale and shift [segments, D]; {} where its kernel
+// cannot run (the caller's composite then serves the call).
 std::vector<at::Tensor> op_forward(Norm norm, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                                    const c10::optional<at::Tensor>& bias, const at::Tensor& scale,
-                                   const c10::optional<at::Tensor>& shift, double eps, at::ScalarType out_dtype);
+                                   const c10::optional<at::Tensor>& shift, double eps, at::ScalarType out_dtype,
+                                   const c10::optional<at::Tensor>& segment_ids = c10::nullopt);
 
 // {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (an empty tensor for an absent
 // input): the CUDA body of either op's backward (mean: none for RMSNorm)
 std::vector<at::Tensor> op_backward(Norm norm, const at::Tensor& dy, const at::Tensor& x,
                                     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
                                     const at::Tensor& scale, const c10::optional<at::Tensor>& shift,
-                                    const c10::optional<at::Tensor>& mean, const at::Tensor& rstd);
+                                    const c10::optional<at::Tensor>& mean, const at::Tensor& rstd,
+                                    const c10::optional<at::Tensor>& segment_ids = c10::nullopt);
 
 // {r, out, mean (undefined for RMSNorm), rstd} in x's shape: the CUDA body of either residual op's
-// forward (r in r_dtype, out in out_dtype, the statistics fp32)
+// forward (r in r_dtype, out in out_dtype, the statistics fp32). With segment_ids (int [T]): the
+// segmented layout, gate / scale / shift [segments, D]; {} where its kernel cannot run (the caller's
+// composite then serves the call).
 std::vector<at::Tensor> residual_op_forward(Norm norm, const at::Tensor& x, const at::Tensor& y,
                                             const c10::optional<at::Tensor>& gate,
                                             const c10::optional<at::Tensor>& weight,
                                             const c10::optional<at::Tensor>& bias,
                                             const c10::optional<at::Tensor>& scale,
                                             const c10::optional<at::Tensor>& shift, double eps,
-                                            at::ScalarType r_dtype, at::ScalarType out_dtype);
+                                            at::ScalarType r_dtype, at::ScalarType out_dtype,
+                                            const c10::optional<at::Tensor>& segment_ids = c10::nullopt);
 
 // {dx, dy, dgate, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (dx in x_dtype; an
 // empty tensor for an absent input, and for dy and dgate without a gate): the CUDA body of either
-// residual op's backward (mean: none for RMSNorm)
+// residual op's backward (mean: none for RMSNorm); segment_ids as in the forward ({} where not taken)
 std::vector<at::Tensor> residual_op_backward(Norm norm, const at::Tensor& dout, const c10::optional<at::Tensor>& dr,
                                              const at::Tensor& r, const c10::optional<at::Tensor>& y,
                                              const c10::optional<at::Tensor>& gate,
@@ -45,7 +52,8 @@ std::vector<at::Tensor> residual_op_backward(Norm norm, const at::Tensor& dout, 
                                              const c10::optional<at::Tensor>& scale,
                                              const c10::optional<at::Tensor>& shift,
                                              const c10::optional<at::Tensor>& mean, const at::Tensor& rstd,
-                                             at::ScalarType x_dtype);
+                                             at::ScalarType x_dtype,
+                                             const c10::optional<at::Tensor>& segment_ids = c10::nullopt);
 
 // Kernel choices a benchmark or test may force (adaptiveload/ops/_tuning.py: override); each
 // default is "the launcher's choice", from the shape, the dtypes, the layout and the device, which
@@ -70,6 +78,16 @@ bool aligned16(const void* p);
 void check_x(const at::Tensor& x, const char* name);
 // Modulation m viewed as [B or 1, N or 1, D] (unit stride along D) of x [B, N, D]: pointer and strides.
 ModView mod_view(const at::Tensor& m, const at::Tensor& x, const char* name);
+// The segmented layout (x viewed as [1, T, D]): modulation m [segments, D], unit stride along D, as a
+// view of rows seg[n] (its dtype left to the caller); the ids [T] (int32 / int64, contiguous) as the
+// kernels' Segments of `count` segments; segment_starts checks the ids on the device (each in
+// [0, segments), else the kernel stops with a message) and, given `start`, fills the backward's
+// start array; segment_start_rows allocates that array, fills it and sets s.start (the tensor must
+// outlive the launch).
+ModView seg_view(const at::Tensor& m, const at::Tensor& x, const char* name);
+Segments segment_ids_view(const at::Tensor& ids, const at::Tensor& x, int64_t count);
+void segment_starts(const at::Tensor& ids, int64_t segments, int64_t* start);
+at::Tensor segment_start_rows(const at::Tensor& ids, Segments& s);
 // Every row of v (of element size esize) 16-byte aligned; true for an absent one.
 bool mod_aligned(const ModView& v, int64_t esize);
 // The size of modulation t at x's dim i, t broadcast against x (right-aligned): 1 where t has none.

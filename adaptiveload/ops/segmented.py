@@ -16,14 +16,15 @@ Gathering ``scale[segment_ids]`` in the model and calling the base op makes auto
 per-token tensor until backward; the segmented ops keep only their inputs (the compact scale and
 shift, segment_ids) and the statistics (:func:`adaptiveload.ops.common.differentiable`).
 
-Kernels. On CUDA, the norm -> modulate ops (LayerNorm, RMSNorm) run the segmented CUDA kernels
-(``csrc/norm_modulate*``: each row reads its segment's modulation row; with non-decreasing ids the
+Kernels. On CUDA every family op runs its segmented CUDA kernels (``csrc/norm_modulate*`` and
+``csrc/residual_norm_modulate/``: each row reads its segment's rows; with non-decreasing ids the
 backward cuts each row tile where the segment changes and sums each segment's parts in a fixed
 order; with ids in any other order a slower column kernel sums each segment's rows in row order;
-no atomics either way, and the choice is made on the device) where they apply: x of a kernel dtype
-with aligned rows, the sm_90 row ring, modulation in x's dtype or float32. Every other call, and the
-residual ops, take the composite (CompositeExplicitAutograd, so the base ops below it dispatch to
-the CUDA kernels on a GPU): the forward gathers the per-token modulation transiently
+no atomics either way, and the choice is made on the device) where they apply: tensors of kernel
+dtypes with aligned rows and the row ring (sm_90 for the norm -> modulate ops, sm_80 for the
+residual ops; modulation in x's dtype or float32 for the former, x, y, r and out of one dtype for
+the latter). Every other call takes the composite (CompositeExplicitAutograd, so the base ops below
+it dispatch to the CUDA kernels on a GPU): the forward gathers the per-token modulation transiently
 (``index_select``, in float32, or float64 for float64 modulation: a 16-bit scale widens exactly,
 and the CUDA kernels take float32 modulation with 16-bit x) and calls the base op; the backward
 gathers again, calls the base backward op and sums each per-token modulation gradient over its
@@ -288,13 +289,33 @@ def register_residual(lib: torch.library.Library, base: str, params: tuple[str, 
 
     check_forward, check_backward = row_check(name), row_check(f"{name}_backward")
 
+    rms = k == 1  # (RMSNorm has no bias)
+
+    # The row checks, then whether the CUDA kernels may take the call (x on CUDA, kernel dtypes), for
+    # common.cuda_kernels, which remembers both with the signature (eager calls only)
+    def take_forward(x, y, gate, *args):  # (*affine, scale, shift, segment_ids, r_dtype, out_dtype)
+        *affine, scale, shift, segment_ids, r_dtype, out_dtype = args
+        check_forward(x, gate, scale, shift, segment_ids)
+        return x.is_cuda and common.residual_kernels_apply(x, (y, gate, *affine, scale, shift), (r_dtype, out_dtype))
+
+    def take_backward(dout, dr, r, y, gate, *args):  # (*affine, scale, shift, segment_ids, *stats, x_dtype)
+        affine, (scale, shift, segment_ids), (*stats, x_dtype) = args[:k], args[k:k + 3], args[k + 3:]
+        check_backward(r, gate, scale, shift, segment_ids)
+        return r.is_cuda and common.residual_kernels_apply(r, (dout, dr, y, gate, *affine, scale, shift, *stats),
+                                                           (x_dtype,))
+
     def forward(x, y, gate, *args, fake=False):
         *affine, scale, shift, segment_ids, eps, r_dtype, out_dtype = args
         if fake:
             check_forward(x, gate, scale, shift, segment_ids)
         else:
-            common.validate(check_forward, (x, gate, scale, shift, segment_ids))
+            ops = common.cuda_kernels(take_forward, (x, y, gate, *affine, scale, shift, segment_ids), r_dtype,
+                                      out_dtype)
             check_ids(name, segment_ids, _segments(gate, scale, shift))
+            out = ops.residual_segmented_forward(x, y, gate, *_weight_bias(affine), scale, shift, segment_ids, eps,
+                                                 r_dtype, out_dtype, rms) if ops else []
+            if out:  # [r, out, mean (None for RMSNorm), rstd]
+                return (out[0], out[1], out[3]) if rms else tuple(out)
         return forward_op(x, y, gather(gate, segment_ids, x), *affine, gather(scale, segment_ids, x),
                           gather(shift, segment_ids, x), eps, r_dtype, out_dtype)
 
@@ -303,8 +324,15 @@ def register_residual(lib: torch.library.Library, base: str, params: tuple[str, 
         if fake:
             check_backward(r, gate, scale, shift, segment_ids)
         else:
-            common.validate(check_backward, (r, gate, scale, shift, segment_ids))
+            ops = common.cuda_kernels(take_backward, (dout, dr, r, y, gate, *affine, scale, shift, segment_ids,
+                                                      *rest[:-1]), rest[-1])
             check_ids(f"{name}_backward", segment_ids, _segments(gate, scale, shift))
+            *stats, x_dtype = rest
+            mean = (None,) if rms else ()  # (the binding's mean: None for RMSNorm)
+            grads = ops.residual_segmented_backward(dout, dr, r, y, gate, *_weight_bias(affine), scale, shift,
+                                                    segment_ids, *mean, *stats, x_dtype) if ops else []
+            if grads:  # [dx, dy, dgate, dweight, dbias, dscale, dshift]
+                return common.grads_or_empty((*grads[:3], *grads[3:3 + k], grads[5], grads[6], None), r)
         dx, dy, dgate, *dparams, dscale, dshift = backward_op(
             dout, dr, r, y, gather(gate, segment_ids, r), *affine, gather(scale, segment_ids, r),
             gather(shift, segment_ids, r), *rest)

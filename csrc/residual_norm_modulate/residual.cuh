@@ -133,6 +133,7 @@ struct ResFwdArgs {
   // Slots of the x / y staging ring (RowStage): -1 automatic (Tuning::fwd_stages), 0 the register
   // prefetch, 2..kMaxStages; the launcher resolves it (0 where staging cannot run).
   int stages = -1;
+  Segments seg;  // the segmented layout (per-sample or shared gate / scale / shift only), or off
 };
 
 struct ResBwdArgs {
@@ -161,8 +162,10 @@ struct ResBwdArgs {
   float* dshift_rows = nullptr;
   float* dweight = nullptr;
   float* dbias = nullptr;
-  float* ws = nullptr;       // [kResPlanes, tiles, B, D] fp32 partial sums
-  float* rowsums = nullptr;  // [B * N, 2] fp32: mean_D(g), mean_D(g * r_hat) a row (two kernels only)
+  float* ws = nullptr;       // [kResPlanes, pieces, D] fp32 partial sums (norm_modulate.cuh: Pieces)
+  // [B * N, 2] fp32: mean_D(g), mean_D(g * r_hat) a row (two kernels, and the segmented layout, whose
+  // column kernel reads them when the ids are out of order)
+  float* rowsums = nullptr;
   int64_t B = 0, N = 0;
   int D = 0;
   DType dot = DType::F32, drt = DType::F32, yt = DType::F32, dxt = DType::F32;
@@ -175,6 +178,10 @@ struct ResBwdArgs {
   // Set by res_backward's plan: row tiles a sample, rows a tile, the row kernel's block shape.
   int64_t tiles = 0, rows_per_tile = 0;
   int threads = 0, chunks = 0;
+  // The segmented layout (the one-pass staged kernel with per-sample rows only), or off; the
+  // workspace's pieces a plane (tiles * B, or tiles + segments), set by the caller after the plan.
+  Segments seg;
+  int64_t pieces = 0;
 
   bool columns() const { return dgate_rows || dscale_rows || dshift_rows || dweight || dbias; }
 };
@@ -188,11 +195,13 @@ constexpr DType dtype_of() {
 // Threads a block and chunks of kResVec a thread for a row of D (at most kResMaxChunks chunks).
 RowShape res_row_shape(int D, int max_threads);
 // The launchers, by norm and r's dtype Tr (float, __nv_bfloat16, __half): instantiated in
-// residual_forward_<dtype>.cu / residual_backward_<dtype>.cu. res_backward with launch == false
-// plans only (sets a.two_kernel where the row is too wide for one pass, a.tiles, a.rows_per_tile,
-// a.threads, a.chunks), so that the caller sizes the workspace; then launch == true runs it.
+// residual_forward_<dtype>.cu / residual_backward_<dtype>.cu. res_forward returns false (nothing
+// launched) only for the segmented layout where its kernel cannot run. res_backward with
+// launch == false plans only (sets a.two_kernel where the row is too wide for one pass, a.tiles,
+// a.rows_per_tile, a.threads, a.chunks, a.stages: 0 for the segmented layout where its kernel cannot
+// run), so that the caller sizes the workspace; then launch == true runs it.
 template <Norm N, typename Tr>
-void res_forward(const ResFwdArgs& a, cudaStream_t stream);
+bool res_forward(const ResFwdArgs& a, cudaStream_t stream);
 template <Norm N, typename Tr>
 void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream);
 

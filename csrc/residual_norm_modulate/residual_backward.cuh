@@ -24,6 +24,12 @@
 // AnyRows). STG (typed, aligned rows, sm_80+): r, dout, dr and y come through the per-thread staging
 // ring (RowStage), a.stages rows ahead, and dr and y are read from it after the reduction at any chunk
 // count; else each row is loaded when its turn comes.
+// Segmented layout (SEG, the staged one-pass kernel with per-sample rows; ResBwdArgs::seg, Segments):
+// a pack as one sequence, the gate and modulation rows per segment. With ids that never decrease, a
+// tile is cut where the segment changes and each part's partials go to their own workspace piece
+// (piece_of); res_reduce_kernel sums each segment's pieces. With ids in any other order (flagged on
+// the device) the row kernel saves its row sums and res_seg_col_kernel sums each segment's rows in
+// row order, recomputing dr_total from them.
 // Two kernels (wider rows, or BwdArgs-style forced by Tuning::two_kernel): the row kernel computes dx
 // and the per-element gradients and saves the two row sums; res_bwd_col_kernel then recomputes
 // dr_total per element from dout, r, dr, y and the saved sums for the partials.
@@ -42,8 +48,9 @@ __device__ __forceinline__ float res_dr_total(float g, float xh, float rstd, flo
 // The row tensors of the backward's staging ring, in slot order.
 enum ResBwdStaged : int { kStR = 0, kStDout = 1, kStDr = 2, kStY = 3, kStCount = 4 };
 
-template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3, bool STG = false>
+template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3, bool STG = false, bool SEG = false>
 __global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdArgs a) {
+  static_assert(!SEG || (STG && !SPT && ACC), "the segmented layout takes the staged one-pass kernel, per-sample rows");
   constexpr bool RMS = N == Norm::RMS;
   constexpr int NS = RMS ? 1 : 2;  // row sums: [sum g,] sum g * r_hat
   constexpr int VEC = kResVec;
@@ -68,26 +75,50 @@ __global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdAr
   const int arr = C * (VEC / 4) * T;
   const CoefRow<VEC> coef{coef_smem}, bias_row{coef_smem + arr}, gate_row{coef_smem + 2 * arr};
   float p0[C][VEC], p1[C][VEC], p2s[C][VEC], p3[C][VEC];
-#pragma unroll
-  for (int c = 0; c < C; ++c) {
+  // Chunk c of cf and the gate row for modulation row m (sample b, or the segment)
+  auto coef_chunk = [&](int c, int64_t m) {
     const int col = (c * T + tid) * VEC;
-    float w[VEC], s[VEC], bb[VEC], g[VEC];
+    float w[VEC], s[VEC], g[VEC];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      w[j] = 1.f, s[j] = 0.f, bb[j] = 0.f, g[j] = 0.f;
-      p0[c][j] = p1[c][j] = p2s[c][j] = p3[c][j] = 0.f;
-    }
+    for (int j = 0; j < VEC; ++j) w[j] = 1.f, s[j] = 0.f, g[j] = 0.f;
     if (col < D) {
       if (a.weight) load_f<float, VEC>(a.weight, col, D, al, w);
-      if (a.bias) load_f<float, VEC>(a.bias, col, D, al, bb);
-      if (!SPT && a.scale.ptr) load_any_f<VEC>(mod_row(a.scale, b, 0), a.scale.t, col, D, al, s);
-      if (has_gate && !gpt) load_any_f<VEC>(mod_row(a.gate, b, 0), a.gate.t, col, D, al, g);
+      if (!SPT && a.scale.ptr) load_any_f<VEC>(mod_row(a.scale, m, 0), a.scale.t, col, D, al, s);
+      if (has_gate && !gpt) load_any_f<VEC>(mod_row(a.gate, m, 0), a.gate.t, col, D, al, g);
     }
 #pragma unroll
     for (int j = 0; j < VEC; ++j) w[j] *= 1.f + s[j];
     coef.store(c, w);
-    bias_row.store(c, bb);
     gate_row.store(c, g);
+  };
+  // chunk c's partials into a workspace piece (norm_modulate.cuh: Pieces), then zeros
+  const int64_t plane = a.pieces * D;
+  auto flush = [&](int c, int64_t piece) {
+    const int col = (c * T + tid) * VEC;
+    if (col >= D) return;
+    float* ws = a.ws + piece * static_cast<int64_t>(D);
+    store_f<float, VEC>(ws, col, D, al, p0[c]);
+    store_f<float, VEC>(ws + plane, col, D, al, p1[c]);
+    if (p2) store_f<float, VEC>(ws + 2 * plane, col, D, al, p2s[c]);
+    if constexpr (P3) store_f<float, VEC>(ws + 3 * plane, col, D, al, p3[c]);
+  };
+  // Segmented layout (SEG): a tile's rows are cut where the segment changes, each part's partials
+  // flushed to piece tile + segment (ids in order; otherwise res_seg_col_kernel sums the segments
+  // from the row sums saved below) and the coefficients recomputed, each thread its own columns
+  const bool parts = !SEG || ids_sorted(a.seg);
+  int64_t seg_cur = SEG ? seg_of(a.seg, n0) : b, seg_next = seg_cur;  // (the next row's, read a row ahead)
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int col = (c * T + tid) * VEC;
+    float bb[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      bb[j] = 0.f;
+      p0[c][j] = p1[c][j] = p2s[c][j] = p3[c][j] = 0.f;
+    }
+    if (col < D && a.bias) load_f<float, VEC>(a.bias, col, D, al, bb);
+    bias_row.store(c, bb);
+    coef_chunk(c, seg_cur);
   }
 
   // the staging ring (STG) after the coefficient rows: rows n0 .. n0 + S - 2 issued up front
@@ -110,6 +141,20 @@ __global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdAr
 
   const float inv_d = 1.f / static_cast<float>(D);
   for (int64_t n = n0; n < n1; ++n) {
+    if constexpr (SEG) {  // at the top of the row, where few registers are live
+      const int64_t m = seg_next;
+      if (n + 1 < n1) seg_next = seg_of(a.seg, n + 1);
+      if (m != seg_cur) {  // the previous segment's part of the tile is complete
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          if (parts) flush(c, piece_of(tile, seg_cur, a.B, true));
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) p0[c][j] = p1[c][j] = p3[c][j] = 0.f;
+          coef_chunk(c, m);
+        }
+        seg_cur = m;
+      }
+    }
     const int64_t row = b * a.N + n;
     const int64_t off = row * static_cast<int64_t>(D);
     const float mean = RMS ? 0.f : a.mean[row], rstd = a.rstd[row];
@@ -226,16 +271,10 @@ __global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdAr
   }
 
   if constexpr (ACC) {
-    const int64_t plane = a.tiles * a.B * D;
-    float* ws = a.ws + (tile * a.B + b) * static_cast<int64_t>(D);
+    if (parts) {
+      const int64_t piece = piece_of(tile, seg_cur, a.B, SEG);  // (seg_cur: b outside the segmented layout)
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int col = (c * T + tid) * VEC;
-      if (col >= D) continue;
-      store_f<float, VEC>(ws, col, D, al, p0[c]);
-      store_f<float, VEC>(ws + plane, col, D, al, p1[c]);
-      if (p2) store_f<float, VEC>(ws + 2 * plane, col, D, al, p2s[c]);
-      if constexpr (P3) store_f<float, VEC>(ws + 3 * plane, col, D, al, p3[c]);
+      for (int c = 0; c < C; ++c) flush(c, piece);
     }
   }
 }
@@ -279,13 +318,56 @@ __global__ void __launch_bounds__(256) res_bwd_col_kernel(const ResBwdArgs a) {
   for (int k = 0; k < kResPlanes; ++k) part[k][ty][tx] = q[k];
   __syncthreads();
   if (ty == 0 && d < a.D) {
-    const int64_t plane = a.tiles * a.B * a.D;
-    float* ws = a.ws + (tile * a.B + b) * a.D + d;
+    const int64_t plane = a.pieces * a.D;
+    float* ws = a.ws + piece_of(tile, b, a.B, false) * a.D + d;
 #pragma unroll
     for (int k = 0; k < kResPlanes; ++k) {
       float s = 0.f;
       for (int i = 0; i < 8; ++i) s += part[k][i][tx];
       ws[k * plane] = s;
+    }
+  }
+}
+
+// The segmented layout's column sums when the ids are out of order (ids_sorted false; otherwise the
+// kernel returns at once), as seg_col_kernel in norm_modulate_backward.cuh: one warp a block over all
+// rows in order, thread tx owning feature d; each element's P0 = dout * r_hat, P1 = dout and
+// P3 = y * dr_total (recomputed from the row sums the row kernel saved) added to its segment's
+// accumulators in shared memory, kSegColSegments segments a pass. Leaves segment s's sums in piece s.
+template <Norm N, typename Tr>
+__global__ void __launch_bounds__(32) res_seg_col_kernel(const ResBwdArgs a) {
+  if (ids_sorted(a.seg)) return;
+  __shared__ float acc[3][kSegColSegments][32];
+  const int tx = threadIdx.x, d = blockIdx.x * 32 + tx;
+  const bool p3 = a.dgate_rows != nullptr;
+  const Tr* __restrict__ rp = static_cast<const Tr*>(a.r);
+  const int64_t plane = a.pieces * a.D, T = a.N;
+  const float w = (a.weight && d < a.D) ? a.weight[d] : 1.f;
+  for (int64_t s0 = 0; s0 < a.seg.count; s0 += kSegColSegments) {
+    for (int i = 0; i < kSegColSegments; ++i) acc[0][i][tx] = acc[1][i][tx] = acc[2][i][tx] = 0.f;
+    if (d < a.D) {
+      for (int64_t n = 0; n < T; ++n) {
+        const int64_t m = seg_of(a.seg, n), s = m - s0;
+        if (s < 0 || s >= kSegColSegments) continue;
+        const int64_t i = n * a.D + d;
+        const float mean = N == Norm::RMS ? 0.f : a.mean[n], rstd = a.rstd[n];
+        const float xh = (to_f<Tr>(rp[i]) - mean) * rstd;
+        const float dof = load1(a.dout, a.dot, i);
+        acc[0][s][tx] += dof * xh;
+        acc[1][s][tx] += dof;
+        if (p3) {
+          const float cf = a.scale.ptr ? w * (1.f + load1(a.scale.ptr, a.scale.t, m * a.scale.sb + d)) : w;
+          const float g = __fmul_rn(dof, cf);
+          const float dr = a.dr ? load1(a.dr, a.drt, i) : 0.f;
+          const float tot = res_dr_total(g, xh, rstd, a.rowsums[2 * n], a.rowsums[2 * n + 1], dr);
+          acc[2][s][tx] += __fmul_rn(load1(a.y, a.yt, i), tot);
+        }
+      }
+      for (int64_t s = s0; s < min(a.seg.count, s0 + kSegColSegments); ++s) {
+        a.ws[s * a.D + d] = acc[0][s - s0][tx];
+        a.ws[plane + s * a.D + d] = acc[1][s - s0][tx];
+        if (p3) a.ws[3 * plane + s * a.D + d] = acc[2][s - s0][tx];
+      }
     }
   }
 }
@@ -298,16 +380,18 @@ __global__ void __launch_bounds__(512) res_reduce_kernel(const ResBwdArgs a) {
   __shared__ float part[kResPlanes][16][33];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int d = blockIdx.x * 32 + tx;
-  const int64_t plane = a.tiles * a.B * a.D;
+  const int64_t plane = a.pieces * a.D;
   const bool spt = a.scale.ptr && a.scale.sn != 0;
   const bool reduced_scale = a.scale.ptr && !spt;
   const bool use[kResPlanes] = {true, true, spt && a.dshift_rows != nullptr, a.dgate_rows != nullptr};
   const float w = (a.weight && d < a.D) ? a.weight[d] : 1.f;
   const float bb = (a.bias && d < a.D) ? a.bias[d] : 0.f;
   float dw = 0.f, db = 0.f;
-  for (int64_t b = 0; b < a.B; ++b) {
+  const int64_t samples = a.seg.on() ? a.seg.count : a.B;  // (segmented: per segment)
+  for (int64_t b = 0; b < samples; ++b) {
     float s[kResPlanes];
-    tile_column_sums<kResPlanes>(a.ws, plane, Pieces{b, a.tiles, a.B}, a.D, d, use, part, s);
+    tile_column_sums<kResPlanes>(a.ws, plane, column_pieces(b, a.tiles, a.B, a.seg, a.rows_per_tile), a.D, d, use,
+                                 part, s);
     if (ty == 0 && d < a.D) {
       const float f = reduced_scale ? 1.f + load1(a.scale.ptr, a.scale.t, b * a.scale.sb + d) : 1.f;
       if (a.dscale_rows) a.dscale_rows[b * a.D + d] = w * s[0] + bb * s[1];
@@ -348,6 +432,12 @@ void res_bwd_row_kernel_for(const ResBwdArgs& a, bool staged, const F& f) {
     constexpr bool kTyped = std::is_same<IO, TypedRows<Tr>>::value;
     with_chunk_count<kResMaxChunks>(a.chunks, [&](auto chunks) {
       constexpr int kC = decltype(chunks)::value;
+      if constexpr (kC <= kResOnePassChunks && kTyped) {
+        if (one_pass && staged && a.seg.on() && !spt) {  // the segmented layout
+          if (p3) return f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, true, true, true>);
+          return f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, false, true, true>);
+        }
+      }
       if constexpr (kC <= kResOnePassChunks) {
         if (one_pass) {
           auto pick = [&](auto stg) {
@@ -389,6 +479,10 @@ void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
       });
     }
     a.stages = stages;
+    if (a.seg.on() && (a.stages == 0 || (a.scale.ptr && a.scale.sn != 0))) {  // the staged kernel or nothing
+      a.stages = 0;
+      return;
+    }
     res_bwd_row_kernel_for<N, Tr>(a, a.stages > 0, [&](auto kernel) {
       one_wave(kernel, a.threads, res_bwd_smem(a.threads, a.chunks, a.stages, slot), a.B, a.N, false, a.tiles,
                a.rows_per_tile);
@@ -406,6 +500,7 @@ void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
     dim3 grid((a.D + 31) / 32, static_cast<unsigned>(a.tiles), static_cast<unsigned>(a.B));
     res_bwd_col_kernel<N, Tr><<<grid, dim3(32, 8), 0, stream>>>(a);
   }
+  if (a.seg.on()) res_seg_col_kernel<N, Tr><<<(a.D + 31) / 32, 32, 0, stream>>>(a);
   res_reduce_kernel<Tr><<<(a.D + 31) / 32, dim3(32, 16), 0, stream>>>(a);
 }
 

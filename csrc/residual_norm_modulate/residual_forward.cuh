@@ -29,8 +29,9 @@ __device__ __forceinline__ const void* mod_row(const ModView& m, int64_t b, int6
   return elem_ptr(m.ptr, m.t, b * m.sb + n * m.sn);
 }
 
-template <Norm N, typename Tr, int C, bool PT, typename IO, bool STG = false>
+template <Norm N, typename Tr, int C, bool PT, typename IO, bool STG = false, bool SEG = false>
 __global__ void __launch_bounds__(kMaxThreads) res_fwd_kernel(const ResFwdArgs a, int64_t tiles) {
+  static_assert(!SEG || (STG && !PT), "the segmented layout takes the staged kernel with per-sample rows");
   constexpr bool RMS = N == Norm::RMS;
   constexpr int VEC = kResVec;
   constexpr bool kPrefetch = C <= kResPrefetchChunks && !STG;
@@ -50,8 +51,8 @@ __global__ void __launch_bounds__(kMaxThreads) res_fwd_kernel(const ResFwdArgs a
   extern __shared__ float4 coef_smem[];
   const int arr = C * (VEC / 4) * T;
   const CoefRow<VEC> alpha{coef_smem}, beta{coef_smem + arr}, gco{coef_smem + 2 * arr};
-#pragma unroll
-  for (int c = 0; c < C; ++c) {
+  // Chunk c of the coefficients of modulation row m (sample b, or the segment), into the rows above.
+  auto coef_chunk = [&](int c, int64_t m) {
     const int col = (c * T + tid) * VEC;
     float w[VEC], bb[VEC], s[VEC], h[VEC], g[VEC];
 #pragma unroll
@@ -59,9 +60,9 @@ __global__ void __launch_bounds__(kMaxThreads) res_fwd_kernel(const ResFwdArgs a
     if (col < D) {
       if (a.weight) load_f<float, VEC>(a.weight, col, D, al, w);
       if (a.bias) load_f<float, VEC>(a.bias, col, D, al, bb);
-      if (a.scale.ptr && !s_row) load_any_f<VEC>(mod_row(a.scale, b, 0), a.scale.t, col, D, al, s);
-      if (a.shift.ptr && !h_row) load_any_f<VEC>(mod_row(a.shift, b, 0), a.shift.t, col, D, al, h);
-      if (a.gate.ptr && !g_row) load_any_f<VEC>(mod_row(a.gate, b, 0), a.gate.t, col, D, al, g);
+      if (a.scale.ptr && !s_row) load_any_f<VEC>(mod_row(a.scale, m, 0), a.scale.t, col, D, al, s);
+      if (a.shift.ptr && !h_row) load_any_f<VEC>(mod_row(a.shift, m, 0), a.shift.t, col, D, al, h);
+      if (a.gate.ptr && !g_row) load_any_f<VEC>(mod_row(a.gate, m, 0), a.gate.t, col, D, al, g);
     }
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
@@ -71,7 +72,12 @@ __global__ void __launch_bounds__(kMaxThreads) res_fwd_kernel(const ResFwdArgs a
     alpha.store(c, w);
     beta.store(c, bb);
     gco.store(c, g);
-  }
+  };
+  // Segmented layout (SEG; B = 1): the current row's segment; where it changes each thread
+  // recomputes its own columns (no barrier), at the top of the row; the next row's is read a row ahead
+  int64_t seg_cur = SEG ? seg_of(a.seg, t) : b, seg_next = seg_cur;
+#pragma unroll
+  for (int c = 0; c < C; ++c) coef_chunk(c, seg_cur);
 
   const float inv_d = 1.f / static_cast<float>(D);
   using RawIO = typename IO::template RawT<VEC>;
@@ -101,6 +107,15 @@ __global__ void __launch_bounds__(kMaxThreads) res_fwd_kernel(const ResFwdArgs a
   for (int64_t k = 0; k < count; ++k) {
     const int64_t n = t + k * tiles;
     const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
+    if constexpr (SEG) {
+      const int64_t m = seg_next;
+      if (k + 1 < count) seg_next = seg_of(a.seg, n + tiles);
+      if (m != seg_cur) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) coef_chunk(c, m);
+        seg_cur = m;
+      }
+    }
     RawIO cx[C], cy[C];
     if constexpr (STG) {
       // row k + S - 1 into the slot row k - 1 left (this thread read it in the previous iteration)
@@ -196,7 +211,7 @@ inline size_t res_fwd_smem(RowShape rs, int stages = 0, size_t slot_bytes = 0) {
 }
 
 template <Norm N, typename Tr>
-void res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
+bool res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
   ResFwdArgs a = a0;
   const bool pt = (a.gate.ptr && a.gate.sn != 0) || (a.scale.ptr && a.scale.sn != 0) ||
                   (a.shift.ptr && a.shift.sn != 0);
@@ -210,17 +225,20 @@ void res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
     one_wave(kernel, rs.threads, smem, a.B, a.N, /*interleaved=*/true, tiles, rows_per_tile);
     kernel<<<static_cast<unsigned>(a.B * tiles), rs.threads, smem, stream>>>(a, tiles);
   };
+  // the staging ring where the rows are aligned (a.stages: the request, resolved here)
+  auto staged = [&](auto kernel) {
+    a.stages = ring_stages(a.stages, a.aligned, res_fwd_smem(rs), slot, kResStageBytes,
+                           reinterpret_cast<const void*>(kernel), 80);
+    if (a.stages > 0) go(kernel);
+    return a.stages > 0;
+  };
+  bool ran = true;
   with_chunk_count<kResMaxChunks>(rs.chunks, [&](auto chunks) {
     constexpr int kC = decltype(chunks)::value;
-    if (typed) {
-      // the staging ring where the rows are aligned (a.stages: the request, resolved here)
-      auto staged = [&](auto kernel) {
-        a.stages = ring_stages(a.stages, a.aligned, res_fwd_smem(rs), slot, kResStageBytes,
-                               reinterpret_cast<const void*>(kernel), 80);
-        if (a.stages > 0) go(kernel);
-        return a.stages > 0;
-      };
-      using IO = TypedRows<Tr>;
+    using IO = TypedRows<Tr>;
+    if (a.seg.on()) {  // the segmented layout: the staged kernel only (else not taken)
+      ran = typed && !pt && staged(res_fwd_kernel<N, Tr, kC, false, IO, true, true>);
+    } else if (typed) {
       if (pt) {
         if (!staged(res_fwd_kernel<N, Tr, kC, true, IO, true>)) go(res_fwd_kernel<N, Tr, kC, true, IO>);
       } else {
@@ -232,6 +250,7 @@ void res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
       else go(res_fwd_kernel<N, Tr, kC, false, AnyRows>);
     }
   });
+  return ran;
 }
 
 }  // namespace adaln

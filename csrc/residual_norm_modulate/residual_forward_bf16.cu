@@ -4,7 +4,7 @@
 
 namespace adaln {
 
-template void res_forward<Norm::Layer, __nv_bfloat16>(const ResFwdArgs& a, cudaStream_t stream);
-template void res_forward<Norm::RMS, __nv_bfloat16>(const ResFwdArgs& a, cudaStream_t stream);
+template bool res_forward<Norm::Layer, __nv_bfloat16>(const ResFwdArgs& a, cudaStream_t stream);
+template bool res_forward<Norm::RMS, __nv_bfloat16>(const ResFwdArgs& a, cudaStream_t stream);
 
 }  // namespace adaln

@@ -4,7 +4,7 @@
 
 namespace adaln {
 
-template void res_forward<Norm::Layer, __half>(const ResFwdArgs& a, cudaStream_t stream);
-template void res_forward<Norm::RMS, __half>(const ResFwdArgs& a, cudaStream_t stream);
+template bool res_forward<Norm::Layer, __half>(const ResFwdArgs& a, cudaStream_t stream);
+template bool res_forward<Norm::RMS, __half>(const ResFwdArgs& a, cudaStream_t stream);
 
 }  // namespace adaln

@@ -4,7 +4,7 @@
 
 namespace adaln {
 
-template void res_forward<Norm::Layer, float>(const ResFwdArgs& a, cudaStream_t stream);
-template void res_forward<Norm::RMS, float>(const ResFwdArgs& a, cudaStream_t stream);
+template bool res_forward<Norm::Layer, float>(const ResFwdArgs& a, cudaStream_t stream);
+template bool res_forward<Norm::RMS, float>(const ResFwdArgs& a, cudaStream_t stream);
 
 }  // namespace adaln

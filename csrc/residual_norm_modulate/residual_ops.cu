@@ -49,6 +49,24 @@ ModView typed_rows(const optional<Tensor>& m, const Tensor& x, const Tensor& x3,
   return v;
 }
 
+// The segmented layout's modulation m [segments, D] (absent: a null view), read in place in its own
+// dtype (a copy only where D is not unit-stride), kept alive in `rows`.
+ModView segment_typed_rows(const optional<Tensor>& m, const Tensor& x3, const char* name, Tensor& rows) {
+  if (!m.has_value()) return ModView{};
+  rows = m->size(1) == 1 || m->stride(1) == 1 ? *m : m->contiguous();
+  ModView v = seg_view(rows, x3, name);
+  v.t = to_dtype(rows, name);
+  return v;
+}
+
+// The rows of the first given modulation tensor: the segment count (the caller checked one is given).
+int64_t segment_count(const optional<Tensor>& gate, const optional<Tensor>& scale, const optional<Tensor>& shift) {
+  for (const optional<Tensor>* m : {&gate, &scale, &shift})
+    if (m->has_value()) return (*m)->size(0);
+  TORCH_CHECK(false, "residual kernels: the segmented layout needs a gate, scale or shift");
+  return 0;
+}
+
 bool rows_aligned(const ModView& v, const Tensor& rows) {
   return !rows.defined() || mod_aligned(v, rows.element_size());
 }
@@ -66,10 +84,12 @@ at::ScalarType element_grad_dtype(const Tensor& t, const Tensor& x) {
 std::vector<Tensor> residual_op_forward(Norm norm, const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
                                         const optional<Tensor>& weight, const optional<Tensor>& bias,
                                         const optional<Tensor>& scale, const optional<Tensor>& shift, double eps,
-                                        at::ScalarType r_dtype, at::ScalarType out_dtype) {
+                                        at::ScalarType r_dtype, at::ScalarType out_dtype,
+                                        const optional<Tensor>& segment_ids) {
   const Tuning t = tuning();
   c10::cuda::CUDAGuard guard(x.device());
-  const int64_t B = x.size(0), D = x.size(-1);
+  const bool segmented = segment_ids.has_value();
+  const int64_t B = segmented ? 1 : x.size(0), D = x.size(-1);
   const Tensor x3 = x.contiguous().view({B, -1, D}), y3 = y.contiguous().view({B, -1, D});
   check_x(x3, "x");
   check_x(y3, "y");
@@ -82,10 +102,19 @@ std::vector<Tensor> residual_op_forward(Norm norm, const Tensor& x, const Tensor
   a.stages = t.fwd_stages;
   a.x = x3.data_ptr(), a.xt = to_dtype(x3, "x");
   a.y = y3.data_ptr(), a.yt = to_dtype(y3, "y");
-  Tensor gate_rows, scale_rows, shift_rows;
-  a.gate = typed_rows(gate, x, x3, "gate", gate_rows);
-  a.scale = typed_rows(scale, x, x3, "scale", scale_rows);
-  a.shift = typed_rows(shift, x, x3, "shift", shift_rows);
+  Tensor gate_rows, scale_rows, shift_rows, ids;
+  if (segmented) {
+    a.gate = segment_typed_rows(gate, x3, "gate", gate_rows);
+    a.scale = segment_typed_rows(scale, x3, "scale", scale_rows);
+    a.shift = segment_typed_rows(shift, x3, "shift", shift_rows);
+    ids = segment_ids->contiguous();
+    a.seg = segment_ids_view(ids, x3, segment_count(gate, scale, shift));
+    segment_starts(ids, a.seg.count, nullptr);  // (the ids' check)
+  } else {
+    a.gate = typed_rows(gate, x, x3, "gate", gate_rows);
+    a.scale = typed_rows(scale, x, x3, "scale", scale_rows);
+    a.shift = typed_rows(shift, x, x3, "shift", shift_rows);
+  }
   const optional<Tensor> w = affine_f32(weight), bi = affine_f32(bias);
   a.weight = ptr_or_null(w), a.bias = ptr_or_null(bi);
   const auto f32 = x.options().dtype(at::kFloat);
@@ -101,12 +130,13 @@ std::vector<Tensor> residual_op_forward(Norm norm, const Tensor& x, const Tensor
               rows_aligned(a.gate, gate_rows) && rows_aligned(a.scale, scale_rows) &&
               rows_aligned(a.shift, shift_rows);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  bool ran = false;
   with_row_type(r_dtype, [&](auto tag) {
     using Tr = typename decltype(tag)::type;
-    if (norm == Norm::RMS) res_forward<Norm::RMS, Tr>(a, stream);
-    else res_forward<Norm::Layer, Tr>(a, stream);
+    ran = norm == Norm::RMS ? res_forward<Norm::RMS, Tr>(a, stream) : res_forward<Norm::Layer, Tr>(a, stream);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!ran) return {};  // (the segmented layout where its kernel cannot run: the caller's composite)
   const auto rows = stat_shape(x);
   return {r.view(x.sizes()), out.view(x.sizes()), mean.defined() ? mean.view(rows) : mean, rstd.view(rows)};
 }
@@ -115,10 +145,12 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
                                          const optional<Tensor>& y, const optional<Tensor>& gate,
                                          const optional<Tensor>& weight, const optional<Tensor>& bias,
                                          const optional<Tensor>& scale, const optional<Tensor>& shift,
-                                         const optional<Tensor>& mean, const Tensor& rstd, at::ScalarType x_dtype) {
+                                         const optional<Tensor>& mean, const Tensor& rstd, at::ScalarType x_dtype,
+                                         const optional<Tensor>& segment_ids) {
   const Tuning t = tuning();
   c10::cuda::CUDAGuard guard(r.device());
-  const int64_t B = r.size(0), D = r.size(-1);
+  const bool segmented = segment_ids.has_value();
+  const int64_t B = segmented ? 1 : r.size(0), D = r.size(-1);
   const Tensor r3 = r.contiguous().view({B, -1, D});
   check_x(r3, "r");
   const int64_t N = r3.size(1);
@@ -135,10 +167,18 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
   a.dout = dout3.data_ptr(), a.dot = to_dtype(dout3, "dout");
   if (dr3.defined()) a.dr = dr3.data_ptr(), a.drt = to_dtype(dr3, "dr");
   if (y3.defined()) a.y = y3.data_ptr(), a.yt = to_dtype(y3, "y");
-  Tensor gate_rows, scale_rows, shift_rows;
-  a.gate = typed_rows(gate, r, r3, "gate", gate_rows);
-  a.scale = typed_rows(scale, r, r3, "scale", scale_rows);
-  a.shift = typed_rows(shift, r, r3, "shift", shift_rows);
+  Tensor gate_rows, scale_rows, shift_rows, ids;
+  if (segmented) {
+    a.gate = segment_typed_rows(gate, r3, "gate", gate_rows);
+    a.scale = segment_typed_rows(scale, r3, "scale", scale_rows);
+    a.shift = segment_typed_rows(shift, r3, "shift", shift_rows);
+    ids = segment_ids->contiguous();
+    a.seg = segment_ids_view(ids, r3, segment_count(gate, scale, shift));
+  } else {
+    a.gate = typed_rows(gate, r, r3, "gate", gate_rows);
+    a.scale = typed_rows(scale, r, r3, "scale", scale_rows);
+    a.shift = typed_rows(shift, r, r3, "shift", shift_rows);
+  }
   const optional<Tensor> w = affine_f32(weight), bi = affine_f32(bias);
   a.weight = ptr_or_null(w), a.bias = ptr_or_null(bi);
   const Tensor mean_rows = mean.has_value() ? stat_rows(*mean) : Tensor(), rstd_rows = stat_rows(rstd);
@@ -156,7 +196,7 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
       el = g.data_ptr(), el_t = to_dtype(g, "gradient");
       return g;
     }
-    Tensor g = at::empty({B, D}, f32);
+    Tensor g = at::empty({segmented ? a.seg.count : B, D}, f32);  // per-sample (or per-segment) sums
     rows = g.data_ptr<float>();
     return g;
   };
@@ -176,7 +216,8 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
               rows_aligned(a.shift, shift_rows);
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(r.get_device()).stream();
-  Tensor ws, rowsums;
+  Tensor ws, rowsums, starts;
+  bool taken = true;
   with_row_type(r.scalar_type(), [&](auto tag) {
     using Tr = typename decltype(tag)::type;
     auto run = [&](bool launch) {
@@ -184,21 +225,31 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
       else res_backward<Norm::Layer, Tr>(a, launch, stream);
     };
     run(false);  // plan: the design, tiles and block shape, which size the workspace
+    if (segmented && a.stages == 0) {  // (the segmented layout's kernel cannot run: the caller's composite)
+      taken = false;
+      return;
+    }
     if (a.columns()) {
-      ws = at::empty({kResPlanes, a.tiles, B, D}, f32);
+      a.pieces = segmented ? a.tiles + a.seg.count : a.tiles * B;  // (norm_modulate.cuh: Pieces)
+      ws = at::empty({kResPlanes, a.pieces, D}, f32);
       a.ws = ws.data_ptr<float>();
       a.aligned = a.aligned && aligned16(a.ws);
-      if (a.two_kernel) {
+      if (a.two_kernel || segmented) {
         rowsums = at::empty({B * N * 2}, f32);
         a.rowsums = rowsums.data_ptr<float>();
       }
     }
+    if (segmented) starts = segment_start_rows(ids, a.seg);
     run(true);
   });
+  if (!taken) return {};
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // an absent gradient: a fresh [0] tensor each (outputs of an op must not alias one another)
   auto empty = [&] { return r.new_empty({0}); };
-  auto grad_of = [&](const optional<Tensor>& m, const Tensor& g) { return m.has_value() ? mod_grad(g, *m, r) : empty(); };
+  auto grad_of = [&](const optional<Tensor>& m, const Tensor& g) {
+    if (!m.has_value()) return empty();
+    return segmented ? g.to(m->scalar_type()) : mod_grad(g, *m, r);
+  };
   auto param = [&](const optional<Tensor>& p, const Tensor& g) { return p.has_value() ? g.to(p->scalar_type()) : empty(); };
   return {dx.view(r.sizes()),  dy.defined() ? dy.view(r.sizes()) : empty(),
           grad_of(gate, dgate), param(weight, dweight),

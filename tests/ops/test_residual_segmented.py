@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import adaptiveload  # noqa: F401  (registers torch.ops.adaptiveload.*)
-from adaptiveload.ops.testing import OPCHECK_UTILS, assert_rel
+from adaptiveload.ops.testing import OPCHECK_UTILS, TOL, assert_rel
 
 EPS = 1e-6
 OPS = {"layer": torch.ops.adaptiveload.residual_adaln_modulate_segmented,
@@ -22,20 +22,23 @@ OPS = {"layer": torch.ops.adaptiveload.residual_adaln_modulate_segmented,
 CASES = [c for c in itertools.product((True, False), ("scale_shift", "scale", "none")) if c != (False, "none")]
 
 
-def _inputs(norm, gated, modulation, dtype=torch.float32, T=29, D=16, n=4, seed=0):
+def _inputs(norm, gated, modulation, dtype=torch.float32, T=29, D=16, n=4, seed=0, device="cpu", ids=None):
+    """Inputs by name, the [n, 3D] leaf of gate, scale and shift, and the ids: ``ids`` given, or
+    random ones (unsorted, every segment likely present)."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape, std=1.0):
-        return (std * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+        return (std * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(device, dtype).requires_grad_()
 
     table = randn(n, 3 * D, std=0.5)  # gate, scale, shift as .chunk() views of one [n, 3D] leaf
     gate, scale, shift = table.chunk(3, dim=-1)
     v = {"x": randn(1, T, D), "y": randn(1, T, D), "gate": gate if gated else None,
          "weight": 1 + randn(D, std=0.2), "bias": randn(D, std=0.2) if norm == "layer" else None,
          "scale": scale if modulation != "none" else None, "shift": shift if modulation == "scale_shift" else None}
-    ids = torch.randint(0, n, (T,), generator=gen)
-    ids[:3] = n - 1  # unsorted, every segment likely present
-    return v, table, ids
+    if ids is None:
+        ids = torch.randint(0, n, (T,), generator=gen)
+        ids[:3] = n - 1  # unsorted, every segment likely present
+    return v, table, ids.to(device)
 
 
 def _call(norm, v, ids, r_dtype, out_dtype):
@@ -66,7 +69,7 @@ def _leaves(v, table):
 
 def _grads(outputs, leaves, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum() for o in outputs)
+    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)).sum() for o in outputs)
     return torch.autograd.grad(loss, leaves, allow_unused=True)
 
 
@@ -74,7 +77,12 @@ def _grads(outputs, leaves, seed=1):
 @pytest.mark.parametrize("gated, modulation", CASES)
 def test_r_out_and_every_gradient_match_float64(norm, gated, modulation):
     v, table, ids = _inputs(norm, gated, modulation)
-    got = _call(norm, v, ids, torch.float32, torch.float32)
+    _check_against_float64(norm, v, table, ids, 2e-6, 2e-5)
+
+
+def _check_against_float64(norm, v, table, ids, out_tol, grad_tol):
+    """r, out and every gradient of the op on v against float64 math on the same values."""
+    got = _call(norm, v, ids, v["x"].dtype, v["x"].dtype)
     v64 = {k: None if t is None else t.detach().double() for k, t in v.items()}
     table64 = table.detach().double().requires_grad_()
     for k, t in zip(("gate", "scale", "shift"), table64.chunk(3, dim=-1)):
@@ -84,12 +92,64 @@ def test_r_out_and_every_gradient_match_float64(norm, gated, modulation):
             v64[k].requires_grad_()
     ref = _reference(norm, v64, ids)
     for what, g, r in zip(("r", "out"), got, ref):
-        assert_rel(g, r, 2e-6, what)
+        assert_rel(g, r, out_tol, what)
     for what, g, r in zip(("table", "x", "y", "weight", "bias"), _grads(got, _leaves(v, table)),
                           _grads(ref, _leaves(v64, table64))):
         assert (g is None) == (r is None), what
         if r is not None:
-            assert_rel(g, r, 2e-5, f"d{what}")
+            assert_rel(g, r, grad_tol, f"d{what}")
+
+
+# lengths of a pack's segments: clips with an empty and a one-row segment, and 25 images
+PACKS = {"clips": [1200, 0, 300, 2000, 1], "images": [256] * 20 + [1] * 5}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm", list(OPS))
+@pytest.mark.parametrize("gated, modulation", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [64, 1536])
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("order", ["pack", "shuffled"])
+def test_cuda_kernels_match_float64(norm, gated, modulation, dtype, D, pack, order):
+    """The segmented residual kernels take the call (both bindings return results) and match float64
+    in r, out and every gradient: ids in pack order (row tiles cut at segment changes) and shuffled
+    (the on-device fallback: a column kernel sums each segment in row order)."""
+    from adaptiveload.ops import extension
+    lengths = PACKS[pack]
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    if order == "shuffled":
+        ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(D))]
+    v, table, ids = _inputs(norm, gated, modulation, dtype, T=ids.numel(), D=D, n=len(lengths), seed=D,
+                            device="cuda", ids=ids)
+    ops, rms = extension.kernels(), norm == "rms"
+    args = (v["x"], v["y"], v["gate"], v["weight"], v["bias"], v["scale"], v["shift"], ids, EPS)
+    out = ops.residual_segmented_forward(*args, dtype, dtype, rms)
+    assert out, "the segmented residual forward kernel handed the call back"
+    dout = torch.randn_like(out[1])
+    grads = ops.residual_segmented_backward(dout, None, out[0], v["y"] if gated else None, v["gate"], v["weight"],
+                                            v["bias"], v["scale"], v["shift"], ids, out[2], out[3], dtype)
+    assert grads, "the segmented residual backward kernel handed the call back"
+    tol = TOL[dtype]
+    _check_against_float64(norm, v, table, ids, tol, 2 * tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm", list(OPS))
+@pytest.mark.parametrize("order", ["pack", "shuffled"])
+def test_cuda_kernels_backward_bit_identical(norm, order):
+    """Two backward runs give the same bits, with 200 segments (past the fallback's 128 a pass)."""
+    lengths = [37] * 100 + [0] + [401] * 99
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    if order == "shuffled":
+        ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(3))]
+    v, table, ids = _inputs(norm, True, "scale_shift", torch.bfloat16, T=ids.numel(), D=1536, n=len(lengths),
+                            device="cuda", ids=ids)
+    first, second = (_grads(_call(norm, v, ids, torch.bfloat16, torch.bfloat16), _leaves(v, table))
+                     for _ in range(2))
+    for g1, g2 in zip(first, second):
+        assert (g1 is None and g2 is None) or torch.equal(g1, g2)
+    _check_against_float64(norm, v, table, ids, TOL[torch.bfloat16], 2 * TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("norm", list(OPS))
