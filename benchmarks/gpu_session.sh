@@ -44,6 +44,10 @@
 #              scheduler, instruction and source-counter (stall sampling) sections of the forward,
 #              one-pass backward and reduce kernels at N = 65536, bf16, D = 1536 / 3072 / 5120,
 #              per-sample fp32 modulation (clocks left alone) -> $OUT/ncu.txt
+#   ncu-seg    Nsight Compute (the same sections) of the segmented layout beside the per-sample one: every
+#              kernel of adaln_modulate and residual_adaln_modulate (Wan gated site) forward and backward,
+#              bf16, T = 65536, D = 1536 / 3072, per-sample, then 1 and 42 segments (equal lengths, ids in
+#              order) -> $OUT/ncu_seg.txt
 # Usage: benchmarks/gpu_session.sh build tests sweep bench-quick
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -162,6 +166,38 @@ PY
     --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats --section SourceCounters \
     python3 /tmp/ncu_cases.py >"$OUT/ncu.txt" 2>&1
   echo "ncu: exit $?"; grep -E "fwd_kernel|bwd_row_kernel|bwd_reduce_kernel|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Size|Grid Size|Duration" "$OUT/ncu.txt" | head -90
+fi
+if want ncu-seg; then
+  cat >/tmp/ncu_seg_cases.py <<'PY'
+import torch
+import adaptiveload  # noqa: F401
+ops = torch.ops.adaptiveload
+T = 65536
+for D in (1536, 3072):
+    x, y, dy = (torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    g, s, h = (0.1 * torch.randn(3, 1, D, device="cuda")).unbind(0)
+    g, s, h = g[None], s[None], h[None]  # [1, 1, D]: per-sample
+    out, mean, rstd = ops.adaln_modulate(x, None, None, s, h, 1e-6, torch.bfloat16)
+    ops.adaln_modulate_backward(dy, x, None, None, s, h, mean, rstd)
+    r, out, mean, rstd = ops.residual_adaln_modulate(x, y, g, None, None, s, h, 1e-6, torch.bfloat16, torch.bfloat16)
+    ops.residual_adaln_modulate_backward(dy, None, r, y, g, None, None, s, h, mean, rstd, torch.bfloat16)
+    for n in (1, 42):
+        ids = torch.arange(n, device="cuda").repeat_interleave(T // n + 1)[:T].contiguous()
+        gs, ss, hs = (0.1 * torch.randn(3, n, D, device="cuda")).unbind(0)
+        xs, ys, dys = x[0], y[0], dy[0]
+        out, mean, rstd = ops.adaln_modulate_segmented(xs, None, None, ss, hs, ids, 1e-6, torch.bfloat16)
+        ops.adaln_modulate_segmented_backward(dys, xs, None, None, ss, hs, ids, mean, rstd)
+        r, out, mean, rstd = ops.residual_adaln_modulate_segmented(xs, ys, gs, None, None, ss, hs, ids, 1e-6,
+                                                                   torch.bfloat16, torch.bfloat16)
+        ops.residual_adaln_modulate_segmented_backward(dys, None, r, ys, gs, None, None, ss, hs, ids, mean, rstd,
+                                                       torch.bfloat16)
+    torch.cuda.synchronize()
+PY
+  ADAPTIVELOAD_REQUIRE_KERNEL=1 timeout 420 ncu --clock-control none -k "regex:_kernel" \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats --section SourceCounters \
+    python3 /tmp/ncu_seg_cases.py >"$OUT/ncu_seg.txt" 2>&1
+  echo "ncu-seg: exit $?"; grep -E "_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per" "$OUT/ncu_seg.txt" | head -150
 fi
 if want tests0; then  # the fixed-shape tests again, on GPU 0, with TESTS0_ENV (e.g. CUDA_LAUNCH_BLOCKING=1)
   env ${TESTS0_ENV:-} timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/ops -m cuda -q -p no:cacheprovider \
