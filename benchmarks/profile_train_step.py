@@ -15,18 +15,26 @@ GEMM (cuBLAS nvjet/cutlass), the fused op's kernels (adaln::), optimizer (AdamW'
 kernels), Triton (every Inductor-generated kernel, the LayerNorm/modulate fusions among them),
 other. Prints one table (a row per backend) and writes ``<out>/profile_train_step_<tag>.json`` and
 ``.md`` with the GPU, torch version, date and command.
+
+With ``--pack``, each backend also profiles a pack (policy ``packed``: the model's ``forward_packed``
+over the samples as one token sequence) after the batch, a row each, so a pack's cost can be set
+beside that of a batch of its largest samples; the pack is warmed up (compiled) the same way::
+
+    python benchmarks/profile_train_step.py --backend adaptiveload --latent 21 90 160 \
+        --pack 1x21x90x160 1x1x60x104 --tag h200_pack
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import sys
 import time
 
 import torch
 
-from adaptiveload.train.data import synthetic_batch
+from adaptiveload.train.data import synthetic_batch, synthetic_pack
 from adaptiveload.train.distributed import DistContext
 from adaptiveload.train.setup import ModelSource, build_step
 from adaptiveload.train.step import NonFiniteStep, StepConfig
@@ -55,8 +63,9 @@ def shape_arg(text: str) -> tuple[int, tuple[int, int, int]]:
     return b, (t, h, w)
 
 
-def profile_backend(args, backend: str, device: torch.device) -> dict:
-    """Checks, step times and the kernel-time profile of one backend (module docstring)."""
+def profile_backend(args, backend: str, device: torch.device) -> list[dict]:
+    """Checks, step times and the kernel-time profile of one backend (module docstring): a row for
+    the batch, and one for the pack with ``--pack``."""
     models = ModelSource(preset=args.preset, factory=None, num_layers=args.num_layers, seed=args.seed)
     step, spec, _ = build_step(DistContext(device=device), models=models,
                                step_config=StepConfig(backend=backend, inner="inductor", learning_rate=1e-4),
@@ -71,14 +80,27 @@ def profile_backend(args, backend: str, device: torch.device) -> dict:
                 loss, error = None, str(err)
             checks.append({"batch_size": b, "latent": list(shape), "loss_per_sample": loss, "non_finite": error})
             print(f"{backend}: check B={b} latent={shape}: " + (error or f"loss/sample {loss:.4f}"), flush=True)
-    batch = synthetic_batch(spec, args.batch_size, tuple(args.latent), device=step.device)
+    rows = [time_and_profile(step, "batch", synthetic_batch(spec, args.batch_size, tuple(args.latent),
+                                                            device=step.device), spec, args)]
+    if args.pack:
+        shapes = [shape for b, shape in args.pack for _ in range(b)]
+        rows.append(time_and_profile(step, "pack", synthetic_pack(spec, shapes, device=step.device), spec, args))
+    for row in rows:
+        row.update(backend=backend, checks=checks)
+    return rows
+
+
+def time_and_profile(step, kind: str, batch, spec, args) -> dict:
+    """Two warm-up steps, ``--repeats`` timed steps (wall and host time) and one profiled step of
+    ``batch`` (a batch or a pack), kernel time by category (module docstring)."""
+    n = len(batch)
     for _ in range(2):
-        step(batch, args.batch_size)
+        step(batch, n)
     step.synchronize()
     times, host = [], []
     for _ in range(args.repeats):  # step(batch, n), taken apart to time the host's share
         start = time.perf_counter()
-        loss_sum = step.forward_backward(batch, args.batch_size)
+        loss_sum = step.forward_backward(batch, n)
         issued = time.perf_counter()  # forward + backward queued (no host sync inside)
         step.check_finite(loss_sum)  # waits for the device
         checked = time.perf_counter()
@@ -89,7 +111,7 @@ def profile_backend(args, backend: str, device: torch.device) -> dict:
         host.append((issued - start) + (stepped - checked))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        step(batch, args.batch_size)
+        step(batch, n)
         step.synchronize()
         profiled_wall = time.perf_counter() - start
     per_kernel, calls = collections.Counter(), collections.Counter()
@@ -100,20 +122,24 @@ def profile_backend(args, backend: str, device: torch.device) -> dict:
     per_category = collections.Counter()
     for name, ms in per_kernel.items():
         per_category[category(name)] += ms
-    return {"backend": backend, "checks": checks, "step_ms_median": 1e3 * sorted(times)[len(times) // 2],
+    shapes = batch.layout.latent_shapes.tolist() if kind == "pack" else [list(batch.latents.shape[2:])] * n
+    tokens = sum(math.prod(size // patch for size, patch in zip(shape, spec.patch_size)) for shape in shapes)
+    return {"batch": kind, "latents": shapes, "tokens": tokens,
+            "step_ms_median": 1e3 * sorted(times)[len(times) // 2],
             "step_ms_all": [1e3 * t for t in times], "host_ms_median": 1e3 * sorted(host)[len(host) // 2],
             "host_ms_all": [1e3 * t for t in host], "profiled_step_ms": 1e3 * profiled_wall,
             "kernel_ms": sum(per_kernel.values()),
             "kernel_ms_by_category": dict(per_category.most_common()),
-            "top_kernels": [{"name": n, "ms": ms, "calls": calls[n]} for n, ms in per_kernel.most_common(args.top)]}
+            "top_kernels": [{"name": name, "ms": ms, "calls": calls[name]}
+                            for name, ms in per_kernel.most_common(args.top)]}
 
 
 def table(results: list[dict]) -> str:
     cats = sorted({c for r in results for c in r["kernel_ms_by_category"]})
-    head = ["backend", "step ms (median)", "host ms (median)", "profiled step ms", "its kernel ms", *cats]
+    head = ["backend", "batch", "tokens", "step ms (median)", "host ms (median)", "profiled step ms", "its kernel ms", *cats]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        cells = [r["backend"], f"{r['step_ms_median']:.1f}", f"{r['host_ms_median']:.1f}", f"{r['profiled_step_ms']:.1f}",
+        cells = [r["backend"], r["batch"], f"{r['tokens']:,}", f"{r['step_ms_median']:.1f}", f"{r['host_ms_median']:.1f}", f"{r['profiled_step_ms']:.1f}",
                  f"{r['kernel_ms']:.1f}",
                  *(f"{r['kernel_ms_by_category'].get(c, 0.0):.2f}" for c in cats)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -134,6 +160,8 @@ def main(argv=None) -> int:
                         help="latent shape of the profiled batch (Wan's 1x2x2 patches: S = T*H*W/4)")
     parser.add_argument("--check", type=shape_arg, nargs="*", default=[], metavar="BxTxHxW",
                         help="batches run once each (frozen weights) before profiling, checked for non-finite values")
+    parser.add_argument("--pack", type=shape_arg, nargs="*", default=[], metavar="BxTxHxW",
+                        help="also profile a pack of these samples (B of each latent shape) after the batch")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps of the profiled batch (median)")
     parser.add_argument("--top", type=int, default=20, help="kernels listed per backend in the JSON")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
@@ -146,13 +174,14 @@ def main(argv=None) -> int:
         return 1
     results = []
     for backend in args.backend:
-        results.append(profile_backend(args, backend, torch.device("cuda")))
+        results.extend(profile_backend(args, backend, torch.device("cuda")))
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     text = table(results)
     print(text)
     doc = {**run_context(__file__, argv), "gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda,
-           "batch_size": args.batch_size, "latent": args.latent, "results": results}
+           "batch_size": args.batch_size, "latent": args.latent,
+           "pack": [[b, list(shape)] for b, shape in args.pack], "results": results}
     write_json_and_markdown(args.out, f"profile_train_step_{args.tag}", doc, text)
     return 0
 
