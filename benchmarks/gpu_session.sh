@@ -57,6 +57,9 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export ADAPTIVELOAD_CACHE=/tmp/adaptiveload-cache HYPOTHESIS_PROFILE=ci
 STAGES=" $* "
 want() { [[ "$STAGES" == *" $1 "* ]]; }
+# the Nsight Compute sections of the ncu stages
+NCU_SECTIONS=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
+              --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats --section SourceCounters)
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
@@ -162,8 +165,7 @@ for D in (1536, 3072, 5120):
 torch.cuda.synchronize()
 PY
   ADAPTIVELOAD_REQUIRE_KERNEL=1 timeout 240 ncu --clock-control none -k "regex:fwd_kernel|bwd_row_kernel|bwd_reduce_kernel" \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats --section SourceCounters \
+    "${NCU_SECTIONS[@]}" \
     python3 /tmp/ncu_cases.py >"$OUT/ncu.txt" 2>&1
   echo "ncu: exit $?"; grep -E "fwd_kernel|bwd_row_kernel|bwd_reduce_kernel|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Size|Grid Size|Duration" "$OUT/ncu.txt" | head -90
 fi
@@ -194,8 +196,7 @@ for D in (1536, 3072):
     torch.cuda.synchronize()
 PY
   ADAPTIVELOAD_REQUIRE_KERNEL=1 timeout 420 ncu --clock-control none -k "regex:_kernel" \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats --section SourceCounters \
+    "${NCU_SECTIONS[@]}" \
     python3 /tmp/ncu_seg_cases.py >"$OUT/ncu_seg.txt" 2>&1
   echo "ncu-seg: exit $?"; grep -E "_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per" "$OUT/ncu_seg.txt" | head -150
 fi
