@@ -71,6 +71,34 @@ bool rows_aligned(const ModView& v, const Tensor& rows) {
   return !rows.defined() || mod_aligned(v, rows.element_size());
 }
 
+// What the launch reads of gate, scale and shift (and segment_ids), kept alive until it.
+struct KeptRows {
+  Tensor gate, scale, shift, ids;
+};
+
+// Gate, scale and shift of either residual op's arguments (ResFwdArgs, ResBwdArgs) as the kernels
+// read them for the row tensor `like` viewed as [B, N, D] (like3); with segment_ids, the segmented
+// layout's [segments, D] rows and the ids.
+template <typename Args>
+KeptRows set_modulation(Args& a, const optional<Tensor>& gate, const optional<Tensor>& scale,
+                        const optional<Tensor>& shift, const Tensor& like, const Tensor& like3,
+                        const optional<Tensor>& segment_ids) {
+  KeptRows k;
+  if (segment_ids.has_value()) {
+    a.gate = segment_typed_rows(gate, like3, "gate", k.gate);
+    a.scale = segment_typed_rows(scale, like3, "scale", k.scale);
+    a.shift = segment_typed_rows(shift, like3, "shift", k.shift);
+    k.ids = segment_ids->contiguous();
+    a.seg = segment_ids_view(k.ids, like3, segment_count(gate, scale, shift));
+  } else {
+    a.gate = typed_rows(gate, like, like3, "gate", k.gate);
+    a.scale = typed_rows(scale, like, like3, "scale", k.scale);
+    a.shift = typed_rows(shift, like, like3, "shift", k.shift);
+  }
+  return k;
+}
+
+
 const float* ptr_or_null(const optional<Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
 
 // The dtype of a per-token modulation's per-element gradient: its own, or float32 where it is
@@ -102,19 +130,8 @@ std::vector<Tensor> residual_op_forward(Norm norm, const Tensor& x, const Tensor
   a.stages = t.fwd_stages;
   a.x = x3.data_ptr(), a.xt = to_dtype(x3, "x");
   a.y = y3.data_ptr(), a.yt = to_dtype(y3, "y");
-  Tensor gate_rows, scale_rows, shift_rows, ids;
-  if (segmented) {
-    a.gate = segment_typed_rows(gate, x3, "gate", gate_rows);
-    a.scale = segment_typed_rows(scale, x3, "scale", scale_rows);
-    a.shift = segment_typed_rows(shift, x3, "shift", shift_rows);
-    ids = segment_ids->contiguous();
-    a.seg = segment_ids_view(ids, x3, segment_count(gate, scale, shift));
-    segment_starts(ids, a.seg.count, nullptr);  // (the ids' check)
-  } else {
-    a.gate = typed_rows(gate, x, x3, "gate", gate_rows);
-    a.scale = typed_rows(scale, x, x3, "scale", scale_rows);
-    a.shift = typed_rows(shift, x, x3, "shift", shift_rows);
-  }
+  const KeptRows mods = set_modulation(a, gate, scale, shift, x, x3, segment_ids);
+  if (segmented) segment_starts(mods.ids, a.seg.count, nullptr);  // (the ids' check)
   const optional<Tensor> w = affine_f32(weight), bi = affine_f32(bias);
   a.weight = ptr_or_null(w), a.bias = ptr_or_null(bi);
   const auto f32 = x.options().dtype(at::kFloat);
@@ -127,8 +144,8 @@ std::vector<Tensor> residual_op_forward(Norm norm, const Tensor& x, const Tensor
   a.rstd = rstd.data_ptr<float>();
   a.aligned = D % kResVec == 0 && aligned16(a.x) && aligned16(a.y) && aligned16(a.r) && aligned16(a.out) &&
               (!a.weight || aligned16(a.weight)) && (!a.bias || aligned16(a.bias)) &&
-              rows_aligned(a.gate, gate_rows) && rows_aligned(a.scale, scale_rows) &&
-              rows_aligned(a.shift, shift_rows);
+              rows_aligned(a.gate, mods.gate) && rows_aligned(a.scale, mods.scale) &&
+              rows_aligned(a.shift, mods.shift);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
   bool ran = false;
   with_row_type(r_dtype, [&](auto tag) {
@@ -167,18 +184,7 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
   a.dout = dout3.data_ptr(), a.dot = to_dtype(dout3, "dout");
   if (dr3.defined()) a.dr = dr3.data_ptr(), a.drt = to_dtype(dr3, "dr");
   if (y3.defined()) a.y = y3.data_ptr(), a.yt = to_dtype(y3, "y");
-  Tensor gate_rows, scale_rows, shift_rows, ids;
-  if (segmented) {
-    a.gate = segment_typed_rows(gate, r3, "gate", gate_rows);
-    a.scale = segment_typed_rows(scale, r3, "scale", scale_rows);
-    a.shift = segment_typed_rows(shift, r3, "shift", shift_rows);
-    ids = segment_ids->contiguous();
-    a.seg = segment_ids_view(ids, r3, segment_count(gate, scale, shift));
-  } else {
-    a.gate = typed_rows(gate, r, r3, "gate", gate_rows);
-    a.scale = typed_rows(scale, r, r3, "scale", scale_rows);
-    a.shift = typed_rows(shift, r, r3, "shift", shift_rows);
-  }
+  const KeptRows mods = set_modulation(a, gate, scale, shift, r, r3, segment_ids);
   const optional<Tensor> w = affine_f32(weight), bi = affine_f32(bias);
   a.weight = ptr_or_null(w), a.bias = ptr_or_null(bi);
   const Tensor mean_rows = mean.has_value() ? stat_rows(*mean) : Tensor(), rstd_rows = stat_rows(rstd);
@@ -212,8 +218,8 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
   auto al = [](const void* p) { return p == nullptr || aligned16(p); };
   a.aligned = D % kResVec == 0 && al(a.r) && al(a.dout) && al(a.dr) && al(a.y) && al(a.dx) && al(a.dy) &&
               al(a.dgate_el) && al(a.dscale_el) && al(a.dshift_el) && al(a.weight) && al(a.bias) &&
-              rows_aligned(a.gate, gate_rows) && rows_aligned(a.scale, scale_rows) &&
-              rows_aligned(a.shift, shift_rows);
+              rows_aligned(a.gate, mods.gate) && rows_aligned(a.scale, mods.scale) &&
+              rows_aligned(a.shift, mods.shift);
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(r.get_device()).stream();
   Tensor ws, rowsums, starts;
@@ -239,7 +245,7 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
         a.rowsums = rowsums.data_ptr<float>();
       }
     }
-    if (segmented) starts = segment_start_rows(ids, a.seg);
+    if (segmented) starts = segment_start_rows(mods.ids, a.seg);
     run(true);
   });
   if (!taken) return {};
