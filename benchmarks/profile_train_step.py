@@ -136,11 +136,12 @@ def time_and_profile(step, kind: str, batch, spec, args) -> dict:
 
 def table(results: list[dict]) -> str:
     cats = sorted({c for r in results for c in r["kernel_ms_by_category"]})
-    head = ["backend", "batch", "tokens", "step ms (median)", "host ms (median)", "profiled step ms", "its kernel ms", *cats]
+    head = ["backend", "batch", "tokens", "step ms (median)", "host ms (median)", "profiled step ms", "its kernel ms",
+            *cats]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        cells = [r["backend"], r["batch"], f"{r['tokens']:,}", f"{r['step_ms_median']:.1f}", f"{r['host_ms_median']:.1f}", f"{r['profiled_step_ms']:.1f}",
-                 f"{r['kernel_ms']:.1f}",
+        cells = [r["backend"], r["batch"], f"{r['tokens']:,}", f"{r['step_ms_median']:.1f}", f"{r['host_ms_median']:.1f}",
+                 f"{r['profiled_step_ms']:.1f}", f"{r['kernel_ms']:.1f}",
                  *(f"{r['kernel_ms_by_category'].get(c, 0.0):.2f}" for c in cats)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
