@@ -147,6 +147,33 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def pack_difference(results: list[dict], top: int = 10) -> str:
+    """For each backend with a pack row: the kernels (among each row's listed top kernels) whose time
+    grew most from the batch to the pack, a table of ms and calls; "" without a pack."""
+    lines = []
+    for backend in dict.fromkeys(r["backend"] for r in results):
+        rows = {r["batch"]: r for r in results if r["backend"] == backend}
+        if "pack" not in rows:
+            continue
+        batch, pack = ({k["name"]: k for k in rows[kind]["top_kernels"]} for kind in ("batch", "pack"))
+        zero = {"ms": 0.0, "calls": 0}
+        grown = sorted(set(batch) | set(pack), key=lambda n: batch.get(n, zero)["ms"] - pack.get(n, zero)["ms"])
+        lines += [f"\n{backend}: kernels that grew most from the batch to the pack\n",
+                  "| pack - batch ms | batch ms (calls) | pack ms (calls) | kernel |", "|---|---|---|---|"]
+        for name in grown[:top]:
+            b, p = batch.get(name, zero), pack.get(name, zero)
+            lines.append(f"| {p['ms'] - b['ms']:.2f} | {b['ms']:.2f} ({b['calls']}) | {p['ms']:.2f} ({p['calls']}) | "
+                         f"`{name[:120]}` |")
+    return "\n".join(lines)
+
+
+def markdown(doc: dict) -> str:
+    """The results file's text: GPU, torch, date and command, the table, and the pack's growth."""
+    head = (f"# Training-step profile on {doc['gpu']} (torch {doc['torch']}, {doc['date']})\n\n"
+            f"Command: `{doc['command']}`\n\n")
+    return head + table(doc["results"]) + "\n" + pack_difference(doc["results"])
+
+
 def main(argv=None) -> int:
     class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         pass
@@ -178,11 +205,11 @@ def main(argv=None) -> int:
         results.extend(profile_backend(args, backend, torch.device("cuda")))
         torch._dynamo.reset()
         torch.cuda.empty_cache()
-    text = table(results)
-    print(text)
     doc = {**run_context(__file__, argv), "gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda,
            "batch_size": args.batch_size, "latent": args.latent,
            "pack": [[b, list(shape)] for b, shape in args.pack], "results": results}
+    text = markdown(doc)
+    print(text)
     write_json_and_markdown(args.out, f"profile_train_step_{args.tag}", doc, text)
     return 0
 
