@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from adaptiveload.models.config import WanConfig, resolve_config
 from adaptiveload.models.packed import packed_attention
 from adaptiveload.models.rope import apply_rope, rope_tables
+from adaptiveload.ops.segmented import gather_by_segment
 
 
 class FP32LayerNorm(nn.LayerNorm):
@@ -337,8 +338,10 @@ class WanDiT(nn.Module):
                     for column in zip(*tables))
 
         x = self._blocks(x, context, temb6, cos, sin, cu_host, cu_context, segment_ids)
-        temb = temb[segment_ids][None]  # [1, sum S, dim]
-        shift, scale = self.scale_shift_table[:, :1] + temb, self.scale_shift_table[:, 1:] + temb
+        # the head runs eagerly under the train job's per-block compile: each sample's shift and scale
+        # row goes to its tokens through gather_by_segment, whose backward sums by sample without
+        # index_put's serial accumulation
+        shift, scale = (gather_by_segment(self.scale_shift_table[0, i] + temb, segment_ids)[None] for i in (0, 1))
         x = self.proj_out(self._modulate_head(x, shift, scale))[0]  # [sum S, pt * ph * pw * C]
         # to the input layout: (pt, ph, pw, C) -> (C, pt, ph, pw) per token
         x = x.unflatten(1, (cfg.patch_volume, cfg.out_channels)).transpose(1, 2).flatten(1)

@@ -109,6 +109,47 @@ def gather(mod: Optional[Tensor], segment_ids: Tensor, x: Tensor) -> Optional[Te
     return mod.to(torch.promote_types(mod.dtype, torch.float32)).index_select(0, segment_ids).view(x.shape)
 
 
+class _GatherBySegment(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: Tensor, segment_ids: Tensor) -> Tensor:
+        ctx.save_for_backward(rows, segment_ids)
+        return rows.index_select(0, segment_ids)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        rows, segment_ids = ctx.saved_tensors
+        return segment_sum(grad, segment_ids, rows, torch.promote_types(grad.dtype, torch.float32)), None
+
+
+def gather_by_segment(rows: Tensor, segment_ids: Tensor) -> Tensor:
+    """``rows[segment_ids]``: each token's row of a per-sample tensor, differentiable in ``rows``, for
+    per-token values outside the fused ops (e.g. an eager head) where the gradient is summed by
+    :func:`segment_sum` (deterministic, no atomics, float32 or float64 accumulation) instead of the
+    backward of ``rows[segment_ids]``: ATen's ``index_put`` with accumulation, which on CUDA sorts the
+    ids and then sums each sample's rows one after another (77 ms at 75,600 tokens, D = 1536, bf16 on
+    an H200: ``benchmarks/results/profile_train_step_h200_pack.md``).
+
+    Args:
+        rows: [n, D], floating, one row per segment.
+        segment_ids: int32 or int64 [T] on rows' device, each in [0, n).
+
+    Returns:
+        [T, D] in rows' dtype (a fresh tensor).
+
+    Raises:
+        ValueError: rows not 2-D floating, segment_ids not a 1-D int32/int64 tensor on rows' device
+            (each named with its shape), or, on CPU, an id outside [0, n) (naming its row).
+    """
+    op = "gather_by_segment"
+    if rows.dim() != 2 or not rows.is_floating_point():
+        raise ValueError(f"{op}: {describe('rows', rows)} must be a floating [n, D] tensor")
+    if segment_ids.dim() != 1 or segment_ids.dtype not in ID_DTYPES or segment_ids.device != rows.device:
+        raise ValueError(f"{op}: {describe('segment_ids', segment_ids)} on {segment_ids.device} must be a 1-D "
+                         f"int32 or int64 tensor on rows' device ({rows.device})")
+    check_ids(op, segment_ids, rows.shape[0])
+    return _GatherBySegment.apply(rows, segment_ids)
+
+
 def segment_sum(per_token: Optional[Tensor], segment_ids: Tensor, mod: Optional[Tensor],
                 acc_dtype: torch.dtype) -> Optional[Tensor]:
     """The gradient of ``mod`` [n, D] from that of its gather, ``per_token`` [..., D] (one row per id):

@@ -495,3 +495,81 @@ def test_functional_segment_ids_bad_input():
         functional.adaln_modulate(x, scale, segment_ids=torch.zeros(4, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"scale \(shape \[3, 1, 8\]"):
         functional.rms_norm_modulate(x, scale[:, None], segment_ids=torch.zeros(5, dtype=torch.int64))
+
+
+@given(n=st.integers(1, 5), t=st.integers(0, 40), d=st.integers(1, 9), seed=st.integers(0, 2**16),
+       id_dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_gather_by_segment_forward_and_backward_against_float64(n, t, d, seed, id_dtype):
+    """Forward: each token's row of ``rows`` (exactly). Backward: each segment's gradient rows summed,
+    against a float64 loop over segments, for ids in any order and segments without tokens; a float32
+    and a bfloat16 ``rows`` get their sum accumulated in float32 and rounded once."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, n, (t,), generator=gen).to(id_dtype)
+    grad = torch.randn(t, d, generator=gen, dtype=torch.float64)
+    ref = torch.stack([grad[ids.long() == k].sum(0) for k in range(n)])
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
+        rows = torch.randn(n, d, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+        out = segmented.gather_by_segment(rows, ids)
+        assert out.dtype == dtype and out.shape == (t, d)
+        assert torch.equal(out, rows.detach()[ids.long()])
+        out.backward(grad.to(dtype))
+        expected = torch.stack([grad.to(dtype).double()[ids.long() == k].sum(0) for k in range(n)])
+        assert rows.grad.dtype == dtype
+        assert_rel(rows.grad.double(), expected, tol, f"gather_by_segment {dtype}")
+        if dtype == torch.float64:
+            assert_rel(rows.grad, ref, tol, "gather_by_segment float64 against the float64 loop")
+
+
+def test_gather_by_segment_sums_a_long_segment_in_float32():
+    """20,000 bf16 gradient rows into one segment: the float32 accumulation is within bf16's final
+    rounding of the exact sum (a bf16 running sum would stall far from it)."""
+    ids = torch.zeros(20_000, dtype=torch.int64)
+    rows = torch.zeros(1, 4, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.full((20_000, 4), 0.01, dtype=torch.bfloat16)
+    segmented.gather_by_segment(rows, ids).backward(grad)
+    exact = 20_000 * grad[0, 0].double()
+    assert abs(rows.grad[0, 0].double() - exact) <= 2 ** -8 * exact
+
+
+def test_gather_by_segment_backward_is_deterministic():
+    """The same gradient bits on every run (the segment sum has no atomics)."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 3, (5000,), generator=gen)
+    grad = torch.randn(5000, 16, generator=gen)
+    results = []
+    for _ in range(3):
+        rows = torch.zeros(3, 16, requires_grad=True)
+        segmented.gather_by_segment(rows, ids).backward(grad)
+        results.append(rows.grad)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+@pytest.mark.parametrize("rows, ids, message", [
+    (torch.zeros(3), torch.zeros(2, dtype=torch.int64), r"rows \(shape \[3\].*floating \[n, D\]"),
+    (torch.zeros(3, 2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), r"rows \(shape \[3, 2\], dtype torch.int64"),
+    (torch.zeros(3, 2), torch.zeros(2, 1, dtype=torch.int64), r"segment_ids \(shape \[2, 1\].*1-D int32 or int64"),
+    (torch.zeros(3, 2), torch.zeros(2), r"segment_ids \(shape \[2\], dtype torch.float32"),
+    (torch.zeros(3, 2), torch.tensor([0, 3]), r"segment_ids \(shape \[2\].*holds 3 at row 1, outside \[0, 3\)"),
+])
+def test_gather_by_segment_bad_input_names_the_tensor(rows, ids, message):
+    with pytest.raises(ValueError, match=message):
+        segmented.gather_by_segment(rows, ids)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_by_segment_cuda_matches_float64_and_repeats_its_bits(dtype):
+    """On CUDA (the one-hot GEMM sum): a pack's sorted ids and shuffled ids, against float64; the same
+    bits on a second run."""
+    gen = torch.Generator().manual_seed(11)
+    sorted_ids = torch.arange(4).repeat_interleave(torch.tensor([3000, 1, 0, 9000]))
+    for ids in (sorted_ids, sorted_ids[torch.randperm(sorted_ids.numel(), generator=gen)]):
+        grad = torch.randn(ids.numel(), 64, generator=gen).to(dtype)
+        expected = torch.stack([grad.double()[ids == k].sum(0) for k in range(4)])
+        grads = []
+        for _ in range(2):
+            rows = torch.zeros(4, 64, dtype=dtype, device="cuda", requires_grad=True)
+            segmented.gather_by_segment(rows, ids.cuda()).backward(grad.cuda())
+            grads.append(rows.grad)
+        assert torch.equal(grads[0], grads[1])
+        assert_rel(grads[0].double().cpu(), expected, 1e-6 if dtype == torch.float32 else 8e-3, f"cuda {dtype}")
