@@ -20,8 +20,9 @@ adds a line naming it.
 Compile happens before timing (:func:`warm_up`): one frozen-weight step per kind of batch the
 sampler yields (:func:`warm_up_batches`), or, for packs, on the largest and the smallest pack of
 each octave of token counts in epoch 0 and a one-sample pack (:func:`warm_up_packs`: the compiled
-blocks see every pack through graphs that differ only by Inductor's thresholds on the token count);
-a step that compiled anyway is flagged (``compiled``).
+blocks see every pack through graphs that differ only by Inductor's thresholds on the token count),
+and on CUDA on packs that hold every attention group (size, length) of epoch 0 (cuDNN's execution
+plans); a step that compiled anyway is flagged (``compiled``).
 """
 from __future__ import annotations
 
@@ -243,7 +244,7 @@ def warm_up_batches(bucket_keys: np.ndarray, batch_kinds: np.ndarray) -> list[tu
     return sorted(batches, key=lambda b: (b[0] * int(np.prod(b[1])), b))
 
 
-def warm_up_packs(packing: EpochPacking, latent_shapes: np.ndarray) -> list[np.ndarray]:
+def warm_up_packs(packing: EpochPacking, latent_shapes: np.ndarray, attention_groups: bool = False) -> list[np.ndarray]:
     """Packs that compile, before timing, every graph a packed run needs: latent shapes [n, 3] of the
     epoch's packs of fewest and of most tokens in each octave of token counts (``sum S`` in
     ``[2^k, 2^(k+1))``), and of the one-sample padding pack (distinct ones, fewest tokens first).
@@ -256,19 +257,63 @@ def warm_up_packs(packing: EpochPacking, latent_shapes: np.ndarray) -> list[np.n
     at 32-bit indexing (``sum S`` times the widest row reaching 2^31), at most one inside an octave:
     an octave's two ends then cover both of its intervals. Two packs per octave at most, a step each.
 
+    With ``attention_groups`` (CUDA), also packs that hold every attention shape of the epoch: a
+    pack's attention runs once per group of its samples of equal length
+    (:func:`~adaptiveload.models.packed.packed_attention`), and cuDNN builds an execution plan the
+    first time it sees a (group size, length), 55-70 ms each (flashinfer-ai/flashinfer#5245), four
+    per group (self- and cross-attention, forward and backward). On an H200 the first pack with three
+    new groups took 0.74 s longer than the same composition later in the epoch
+    (``benchmarks/results/train_h200/x1_packed_head_gather.json``, steps 1 and 6). The groups not in
+    the packs above go into as few packs as fit the epoch's largest pack (first fit, largest first;
+    one group per length in a pack, since equal lengths would merge into one group).
+
     Args:
         packing: :meth:`PackingSampler.epoch_plan` of epoch 0.
         latent_shapes: int [num_samples, 3] of the corpus.
+        attention_groups: also cover every (group size, length) of the epoch's packs.
     """
-    tokens = np.add.reduceat(packing.seq_lens[packing.order].astype(np.int64), packing.pack_start)
+    latent_shapes = np.asarray(latent_shapes)
+    lengths = packing.seq_lens[packing.order].astype(np.int64)  # tokens of each sample, in pack order
+    tokens = np.add.reduceat(lengths, packing.pack_start)
     octave = np.floor(np.log2(tokens)).astype(np.int64)
     by_tokens = np.lexsort((tokens, octave))  # by octave, then tokens: each octave's ends are adjacent
     first = np.flatnonzero(np.r_[True, octave[by_tokens][1:] != octave[by_tokens][:-1]])
     ends = np.unique(np.concatenate([by_tokens[first], by_tokens[np.r_[first[1:], by_tokens.size] - 1]]))
     packs = [packing.order[packing.pack_start[k]:packing.pack_start[k] + packing.pack_size[k]] for k in ends.tolist()]
     packs.append(np.array([packing.padding_sample]))
-    distinct = {tuple(map(tuple, np.asarray(latent_shapes)[p].tolist())): np.asarray(latent_shapes)[p] for p in packs}
+    if attention_groups:
+        packs += _attention_group_packs(packing, lengths, packs, int(tokens.max()))
+    distinct = {tuple(map(tuple, latent_shapes[p].tolist())): latent_shapes[p] for p in packs}
     return sorted(distinct.values(), key=lambda shapes: (int(shapes.prod(axis=1).sum()), len(shapes)))
+
+
+def _attention_group_packs(packing: EpochPacking, lengths: np.ndarray, chosen: list, capacity: int) -> list[np.ndarray]:
+    """Sample indices of packs holding each (group size g, length S) of the epoch's packs that none
+    of the ``chosen`` packs (sample indices) holds, at most ``capacity`` tokens a pack
+    (:func:`warm_up_packs`); ``lengths``: tokens of each sample of ``packing.order``."""
+    def groups(pack_of: np.ndarray, length: np.ndarray, sample: np.ndarray) -> np.ndarray:
+        """[k, 3] rows (S, g, a sample of length S) of every (pack, S), deduplicated on (S, g)."""
+        keys, first, g = np.unique(np.stack([pack_of, length]), axis=1, return_index=True, return_counts=True)
+        rows = np.stack([keys[1], g, sample[first]], axis=1)
+        return rows[np.unique(rows[:, :2], axis=0, return_index=True)[1]]
+
+    pack_of = np.repeat(np.arange(packing.pack_size.size), packing.pack_size)
+    needed = groups(pack_of, lengths, packing.order.astype(np.int64))
+    chosen_samples = np.concatenate(chosen).astype(np.int64)
+    chosen_pack = np.repeat(np.arange(len(chosen)), [len(c) for c in chosen])
+    covered = {(int(s), int(g)) for s, g, _ in groups(chosen_pack, packing.seq_lens[chosen_samples], chosen_samples)}
+    bins = []  # [[sample, ...], {S}, tokens]: one group per length a pack
+    for s, g, sample in sorted(needed.tolist(), key=lambda row: -row[0] * row[1]):
+        if (s, g) in covered:
+            continue
+        home = next((b for b in bins if s not in b[1] and b[2] + s * g <= capacity), None)
+        if home is None:
+            home = [[], set(), 0]
+            bins.append(home)
+        home[0] += [sample] * g
+        home[1].add(s)
+        home[2] += s * g
+    return [np.array(b[0]) for b in bins]
 
 
 def warm_up(step: TrainStep, spec, sampler: EpochBatchSampler, ctx: DistContext, progress: bool,
@@ -282,7 +327,7 @@ def warm_up(step: TrainStep, spec, sampler: EpochBatchSampler, ctx: DistContext,
         every rank stops; out of memory names the bucket and B).
     """
     if isinstance(sampler, PackingSampler):
-        plan = warm_up_packs(sampler.epoch_plan(0), latent_shapes)
+        plan = warm_up_packs(sampler.epoch_plan(0), latent_shapes, attention_groups=step.device.type == "cuda")
         batches = (synthetic_pack(spec, shapes, device=step.device) for shapes in plan)
     else:
         plan = warm_up_batches(sampler.bucket_keys, sampler.batch_kinds())

@@ -110,6 +110,50 @@ def test_warm_up_packs_are_each_octave_s_ends_and_the_padding_pack():
     assert packs[0].tolist() == [[1, 2, 2]]  # the padding pack: the shortest sample alone
 
 
+def test_warm_up_packs_cover_every_attention_group_by_hand():
+    """Packs of 32, 28, 24 and 17 tokens (one 1-token sample, the padding one): the octave ends and the
+    padding pack hold every (group size, length) but P2's two pairs, (2 x 8) and (2 x 4), which go
+    into one more pack of 24 tokens (within the largest pack's 32)."""
+    from adaptiveload.sched.packing import EpochPacking
+
+    shape = {1: (1, 2, 2), 4: (1, 4, 4), 8: (1, 4, 8), 16: (1, 8, 8)}  # tokens -> latent shape (1x2x2 patches)
+    tokens = [16, 16, 16, 8, 4, 8, 8, 4, 4, 1, 16]  # P0 = 0, 1; P1 = 2, 3, 4; P2 = 5..8; P3 = 9, 10
+    latent = np.array([shape[t] for t in tokens])
+    packing = EpochPacking(step_packs=np.arange(4)[:, None], pack_start=np.array([0, 2, 5, 9]),
+                           pack_size=np.array([2, 3, 4, 2]), order=np.arange(11, dtype=np.int32),
+                           seq_lens=np.array(tokens, dtype=np.int32), padding_sample=9)
+    sums = lambda packs: [int((p.prod(axis=1) // 4).sum()) for p in packs]  # noqa: E731
+    assert sums(warm_up_packs(packing, latent)) == [1, 17, 28, 32]
+    packs = warm_up_packs(packing, latent, attention_groups=True)
+    assert sums(packs) == [1, 17, 24, 28, 32]
+    assert sorted((packs[2].prod(axis=1) // 4).tolist()) == [4, 4, 8, 8]
+
+
+def test_warm_up_packs_with_attention_groups_hold_every_group_of_the_epoch():
+    """A sampled epoch: every (group size, length) of its packs is in some warm-up pack, no warm-up
+    pack is larger than the epoch's largest, and the octave ends and padding pack are still there."""
+    from adaptiveload.sched.packing import PackingSampler
+
+    shapes = np.array([(1, 4, 6)] * 40 + [(3, 8, 8)] * 3 + [(1, 2, 2)] * 2 + [(1, 6, 6)] * 10 + [(2, 4, 6)] * 6)
+    sampler = PackingSampler(shapes, 200, 0.05, QuadraticCostModel(0.01, 1e-4, 1e-4), num_replicas=2, rank=0)
+    packing = sampler.epoch_plan(0)
+    seq = shapes.prod(axis=1) // 4
+
+    def group_set(lengths):
+        values, counts = np.unique(lengths, return_counts=True)
+        return {(int(v), int(c)) for v, c in zip(values, counts)}
+
+    epoch = [seq[packing.order[s:s + n]] for s, n in zip(packing.pack_start, packing.pack_size)]
+    needed = set().union(*(group_set(p) for p in epoch))
+    packs = warm_up_packs(packing, shapes, attention_groups=True)
+    warm = [p.prod(axis=1) // 4 for p in packs]
+    assert needed <= set().union(*(group_set(p) for p in warm))
+    assert max(int(p.sum()) for p in warm) <= max(int(p.sum()) for p in epoch)
+    plain = warm_up_packs(packing, shapes)
+    assert {tuple(map(tuple, p.tolist())) for p in plain} <= {tuple(map(tuple, p.tolist())) for p in packs}
+    assert len(packs) > len(plain)
+
+
 def test_blocks_get_fresh_tensors():
     """forward_packed hands the blocks no views (Dynamo guards on a view's base: a view in the first
     block only would compile it a graph of its own)."""
