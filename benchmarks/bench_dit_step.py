@@ -33,8 +33,14 @@ For each (B, S) of ``--shapes``:
   target, backward; wall clock between device synchronizations) after ``--warmup`` steps (the first
   compiles), the backends alternated round by round (the order rotated every round), the median of
   each round (their spread), and the peak memory the timed steps allocate above what was allocated
-  before them (``torch.cuda.max_memory_allocated``; all models stay resident), in GiB;
-  ratios: each backend's median step time over Inductor's (eager / Inductor is eager's);
+  before them (``torch.cuda.max_memory_allocated``; all models stay resident), in GiB; Python's
+  garbage collector runs before each round and is off inside it (a collection in a host-bound step
+  would land on whichever backend was timed then);
+  ratios: each backend's median step time over Inductor's (eager / Inductor is eager's), and the
+  paired ratio: the median over rounds of the backend's round median over Inductor's in the same
+  round, with its range. Rounds run back to back, so a drift of the machine (clocks, host load) moves
+  both members of a pair alike; many short rounds (``--rounds 21 --steps 5``) give the steadiest
+  paired ratio for host-bound shapes;
 * ``--profile`` (CUDA only; skipped on a CPU): one more step of each backend under ``torch.profiler``:
   GPU time (ms) of all its device activities (kernels, copies, memsets; GPU user-annotation ranges
   excluded, they span the kernels they annotate) and of the norm-site kernels, each backend's over
@@ -67,6 +73,7 @@ import argparse
 import collections
 import copy
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -269,10 +276,15 @@ def time_rounds(models: dict, cells: dict, inputs, target, args) -> None:
     names = list(models)
     for r in range(args.rounds):
         k = r % len(names)
-        for name in names[k:] + names[:k]:
-            times, peak = time_steps(models[name], inputs, target, args)
-            cells[name]["step_ms_all"] += times
-            cells[name]["peak_step_gib"] = max(cells[name]["peak_step_gib"], peak)
+        gc.collect()
+        gc.disable()
+        try:
+            for name in names[k:] + names[:k]:
+                times, peak = time_steps(models[name], inputs, target, args)
+                cells[name]["step_ms_all"] += times
+                cells[name]["peak_step_gib"] = max(cells[name]["peak_step_gib"], peak)
+        finally:
+            gc.enable()
 
 
 def is_norm_site(kernel: str) -> bool:
@@ -332,6 +344,9 @@ def add_ratios(row: dict, names: list[str]) -> None:
     for name in names:
         cell = row[name]
         cell["step_ms_over_inductor"] = cell["step_ms"] / ind["step_ms"]
+        pairs = [t / i for t, i in zip(cell["step_ms_round_medians"], ind["step_ms_round_medians"])]
+        cell["step_ms_over_inductor_paired"] = statistics.median(pairs)
+        cell["step_ms_over_inductor_paired_range"] = [min(pairs), max(pairs)]
         if "profile" in cell:
             cell["profile"]["norm_site_ms_over_inductor"] = (
                 cell["profile"]["norm_site_ms"] / ind["profile"]["norm_site_ms"]
@@ -342,7 +357,8 @@ def add_ratios(row: dict, names: list[str]) -> None:
 
 def print_cell(B: int, S: int, name: str, cell: dict) -> None:
     rounds = ", ".join(f"{t:.2f}" for t in cell["step_ms_round_medians"])
-    ratio = f", {cell['step_ms_over_inductor']:.3f}x Inductor" if "step_ms_over_inductor" in cell else ""
+    ratio = (f", {cell['step_ms_over_inductor']:.3f}x Inductor (paired {cell['step_ms_over_inductor_paired']:.3f})"
+             if "step_ms_over_inductor" in cell else "")
     print(f"B={B} S={S} {name}: {cell['chains_fused']} chains fused, {cell['step_ms']:.2f} ms{ratio} "
           f"(round medians {rounds}), step peak {cell['peak_step_gib']:.2f} GiB, grad err max "
           f"{cell['grad_rel_err_max']:.2e} ({cell['grad_rel_err_worst_param']}), within 5%: "
@@ -383,9 +399,11 @@ def step_line(row: dict, name: str) -> str:
     """One backend's line of the step table."""
     c = row[name]
     ratio = f"{c['step_ms_over_inductor']:.3f}" if "step_ms_over_inductor" in c else "-"
+    paired = (f"{c['step_ms_over_inductor_paired']:.3f} ({c['step_ms_over_inductor_paired_range'][0]:.3f}–"
+              f"{c['step_ms_over_inductor_paired_range'][1]:.3f})" if "step_ms_over_inductor_paired" in c else "-")
     rounds = " / ".join(f"{t:.2f}" for t in c["step_ms_round_medians"])
     return (f"| {row['B']} | {row['S']} | {'x'.join(map(str, row['grid']))} | {name} | {c['chains_fused']} | "
-            f"{c['step_ms']:.2f} | {rounds} | {ratio} | {c['peak_step_gib']:.2f} | {c['grad_rel_err_max']:.2e} | "
+            f"{c['step_ms']:.2f} | {rounds} | {ratio} | {paired} | {c['peak_step_gib']:.2f} | {c['grad_rel_err_max']:.2e} | "
             f"{c['params_within_5pct']}/{c['params']} |")
 
 
@@ -405,8 +423,8 @@ def markdown(doc: dict) -> str:
              f"hidden {doc['hidden']} ({doc['heads']} heads), {doc['layers']} layers, text dim {doc['text_dim']}"
              f"{ffn}, bf16, {SCOPES[doc.get('compile', 'blocks')]} compiled (inner compiler {doc['inner']}); "
              "gradients against fp32 eager.", "",
-             "| B | S | grid | backend | chains fused | step ms | round medians ms | / Inductor | step peak GiB | "
-             "grad err max | params within 5% |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| B | S | grid | backend | chains fused | step ms | round medians ms | / Inductor | paired / Inductor "
+             "(range) | step peak GiB | grad err max | params within 5% |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [step_line(r, name) for r in doc["rows"] for name in doc["backends"]]
     if all("profile" in r[name] for r in doc["rows"] for name in doc["backends"]):
         lines += ["", "One profiled step each (GPU ms; norm sites: the kernels the script's docstring names):", "",
