@@ -380,8 +380,11 @@ std::vector<Tensor> backward_rows(Norm norm, const Tensor& dy, const Tensor& x, 
     starts = segment_start_rows(*seg, a.seg);
   }
   a.pieces = seg.has_value() ? a.tiles + a.seg.count : a.tiles * B;  // (the workspace: piece_of)
-  auto ws = at::empty({3, a.pieces, D}, f32);
+  // the planes, then the reduction groups' totals partials (norm_modulate.cuh: reduce_groups)
+  const int64_t totals = totals_floats(seg.has_value() ? a.seg.count : B, D, a.dweight || a.dbias);
+  auto ws = at::empty({3 * a.pieces * D + totals}, f32);
   a.ws = ws.data_ptr<float>();
+  if (totals > 0) a.totals = a.ws + 3 * a.pieces * D;
   a.aligned = a.aligned && aligned16(a.ws);
   launch_backward(a, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -117,6 +117,7 @@ struct BwdArgs {
   void* dshift_el = nullptr;  // non-null iff shift is per-token
   // Workspace of fp32 per-column partial sums: 3 planes of [tiles, B, D].
   float* ws = nullptr;
+  float* totals = nullptr;  // the groups' dweight / dbias partials [groups, 2, D] (totals_floats), or none
   // Outputs of the final column reduction (fp32): per-sample-row sums [B, D] and [D] totals.
   float* dscale_rows = nullptr;  // non-null iff scale is reduced (per-sample or shared)
   float* dshift_rows = nullptr;  // non-null iff shift is present and reduced
@@ -677,6 +678,39 @@ struct Pieces {
 __host__ __device__ inline int64_t piece_of(int64_t tile, int64_t b, int64_t B, bool segmented) {
   return segmented ? tile + b : tile * B + b;
 }
+// The final column reductions' grid: ceil(D / 32) strips of columns by reduce_groups(samples) groups,
+// group g summing samples (or segments) g, g + groups, ... one after another; their rows of dscale,
+// dshift (and dgate) are independent. One group loops over every sample in one block: at 42 segments
+// that is 42 latency-bound rounds, 67-86 us on an H200 against 7-12 us for one (Nsight Compute,
+// benchmarks/KERNEL_NOTES.md). With more than one group, the dweight / dbias totals (sums over the
+// samples) come from each group's partials, summed in group order by reduce_totals_kernel: a fixed
+// order, so still no atomics and the same bits every run.
+constexpr int kReduceGroups = 64;
+inline int reduce_groups(int64_t samples) {
+  return static_cast<int>(samples < 1 ? 1 : samples < kReduceGroups ? samples : kReduceGroups);
+}
+// Floats of the groups' totals partials ([groups, 2, D]) a backward needs: none with one group or no
+// total wanted.
+inline int64_t totals_floats(int64_t samples, int D, bool total_wanted) {
+  const int groups = reduce_groups(samples);
+  return groups > 1 && total_wanted ? static_cast<int64_t>(groups) * 2 * D : 0;
+}
+// The end of a final column reduction, thread of column d (< D) holding its group's totals: written
+// as dweight / dbias with one group, else as the group's partials.
+__device__ __forceinline__ void store_totals(float* totals, float* dweight, float* dbias, int D, int d, float dw,
+                                             float db) {
+  if (gridDim.y == 1) {
+    if (dweight) dweight[d] = dw;
+    if (dbias) dbias[d] = db;
+  } else if (dweight || dbias) {
+    totals[2 * blockIdx.y * static_cast<int64_t>(D) + d] = dw;
+    totals[(2 * blockIdx.y + 1) * static_cast<int64_t>(D) + d] = db;
+  }
+}
+// dweight / dbias from the partials of `groups` groups (store_totals), summed in group order; nothing
+// launched with one group or neither total wanted.
+void launch_reduce_totals(const float* totals, int groups, int D, float* dweight, float* dbias, cudaStream_t stream);
+
 // Segments a pass of the segmented column kernels (ids out of order): their accumulators in shared
 // memory, 2 or 3 planes x kSegColSegments x 32 floats (the residual's 48 KB, the static limit).
 constexpr int kSegColSegments = 128;

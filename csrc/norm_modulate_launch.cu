@@ -31,6 +31,26 @@ RowShape ring_row_shape(int D, DType xt, int max_threads, int ring_chunks) {
 
 int max_features(DType) { return kMaxFeatures; }
 
+namespace {
+__global__ void __launch_bounds__(256) reduce_totals_kernel(const float* __restrict__ totals, int groups, int D,
+                                                            float* dweight, float* dbias) {
+  const int d = blockIdx.x * blockDim.x + threadIdx.x;
+  if (d >= D) return;
+  float dw = 0.f, db = 0.f;
+  for (int g = 0; g < groups; ++g) {
+    dw += totals[2 * g * static_cast<int64_t>(D) + d];
+    db += totals[(2 * g + 1) * static_cast<int64_t>(D) + d];
+  }
+  if (dweight) dweight[d] = dw;
+  if (dbias) dbias[d] = db;
+}
+}  // namespace
+
+void launch_reduce_totals(const float* totals, int groups, int D, float* dweight, float* dbias, cudaStream_t stream) {
+  if (groups <= 1 || (dweight == nullptr && dbias == nullptr)) return;
+  reduce_totals_kernel<<<(D + 255) / 256, 256, 0, stream>>>(totals, groups, D, dweight, dbias);
+}
+
 const DeviceProps& device_props() {
   constexpr int kMaxDevices = 64;
   static DeviceProps props[kMaxDevices];

@@ -163,6 +163,7 @@ struct ResBwdArgs {
   float* dweight = nullptr;
   float* dbias = nullptr;
   float* ws = nullptr;       // [kResPlanes, pieces, D] fp32 partial sums (norm_modulate.cuh: Pieces)
+  float* totals = nullptr;   // the groups' dweight / dbias partials [groups, 2, D] (totals_floats), or none
   // [B * N, 2] fp32: mean_D(g), mean_D(g * r_hat) a row (two kernels, and the segmented layout, whose
   // column kernel reads them when the ids are out of order)
   float* rowsums = nullptr;

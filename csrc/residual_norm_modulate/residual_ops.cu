@@ -237,8 +237,11 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
     }
     if (a.columns()) {
       a.pieces = segmented ? a.tiles + a.seg.count : a.tiles * B;  // (norm_modulate.cuh: Pieces)
-      ws = at::empty({kResPlanes, a.pieces, D}, f32);
+      // the planes, then the reduction groups' totals partials (norm_modulate.cuh: reduce_groups)
+      const int64_t totals = totals_floats(segmented ? a.seg.count : B, D, a.dweight || a.dbias);
+      ws = at::empty({kResPlanes * a.pieces * D + totals}, f32);
       a.ws = ws.data_ptr<float>();
+      if (totals > 0) a.totals = a.ws + kResPlanes * a.pieces * D;
       a.aligned = a.aligned && aligned16(a.ws);
       if (a.two_kernel || segmented) {
         rowsums = at::empty({B * N * 2}, f32);
