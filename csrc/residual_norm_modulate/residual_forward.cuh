@@ -29,8 +29,9 @@ __device__ __forceinline__ const void* mod_row(const ModView& m, int64_t b, int6
   return elem_ptr(m.ptr, m.t, b * m.sb + n * m.sn);
 }
 
-template <Norm N, typename Tr, int C, bool PT, typename IO, bool STG = false, bool SEG = false>
-__global__ void __launch_bounds__(kMaxThreads) res_fwd_kernel(const ResFwdArgs a, int64_t tiles) {
+// The forward's body (the kernels below): block blockIdx.x's rows of `a`.
+template <Norm N, typename Tr, int C, bool PT, typename IO, bool STG, bool SEG>
+__device__ __forceinline__ void res_fwd_rows(const ResFwdArgs& a, int64_t tiles) {
   static_assert(!SEG || (STG && !PT), "the segmented layout takes the staged kernel with per-sample rows");
   constexpr bool RMS = N == Norm::RMS;
   constexpr int VEC = kResVec;
@@ -204,6 +205,28 @@ __global__ void __launch_bounds__(kMaxThreads) res_fwd_kernel(const ResFwdArgs a
   }
 }
 
+template <Norm N, typename Tr, int C, bool PT, typename IO, bool STG = false, bool SEG = false>
+__global__ void __launch_bounds__(kMaxThreads) res_fwd_kernel(const ResFwdArgs a, int64_t tiles) {
+  res_fwd_rows<N, Tr, C, PT, IO, STG, SEG>(a, tiles);
+}
+
+// The segmented layout at one chunk a thread (rows up to 8 * kMaxThreads elements): the staged kernel with
+// per-sample rows, its registers capped at 80, where the segment reload inside the row loop had raised
+// them from the per-sample kernel's 63 to 89 (ptxas, sm_90; no spills at 80). At D = 3072 (384 threads
+// a block) 89 left one block a SM, 80 fits two as the per-sample kernel does (Nsight Compute: 132
+// against 264 blocks, 58% against 77% of DRAM bandwidth; benchmarks/KERNEL_NOTES.md). Its own kernel,
+// so that the cap does not touch the other instances' code.
+// (__maxnreg__ came with CUDA 12.4; older compilers build the kernel uncapped.)
+#if defined(__CUDACC_VER_MAJOR__) && (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
+#define ADALN_SEG1_REGS __maxnreg__(80)
+#else
+#define ADALN_SEG1_REGS __launch_bounds__(kMaxThreads)
+#endif
+template <Norm N, typename Tr>
+__global__ void ADALN_SEG1_REGS res_fwd_seg1_kernel(const ResFwdArgs a, int64_t tiles) {
+  res_fwd_rows<N, Tr, 1, false, TypedRows<Tr>, true, true>(a, tiles);
+}
+
 // Shared memory of the forward's coefficient rows (alpha, beta, gate) for a block of rs, then `stages`
 // slots of its staging ring of `slot_bytes` each.
 inline size_t res_fwd_smem(RowShape rs, int stages = 0, size_t slot_bytes = 0) {
@@ -237,7 +260,8 @@ bool res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
     constexpr int kC = decltype(chunks)::value;
     using IO = TypedRows<Tr>;
     if (a.seg.on()) {  // the segmented layout: the staged kernel only (else not taken)
-      ran = typed && !pt && staged(res_fwd_kernel<N, Tr, kC, false, IO, true, true>);
+      if constexpr (kC == 1) ran = typed && !pt && staged(res_fwd_seg1_kernel<N, Tr>);
+      else ran = typed && !pt && staged(res_fwd_kernel<N, Tr, kC, false, IO, true, true>);
     } else if (typed) {
       if (pt) {
         if (!staged(res_fwd_kernel<N, Tr, kC, true, IO, true>)) go(res_fwd_kernel<N, Tr, kC, true, IO>);
