@@ -117,7 +117,6 @@ struct BwdArgs {
   void* dshift_el = nullptr;  // non-null iff shift is per-token
   // Workspace of fp32 per-column partial sums: 3 planes of [tiles, B, D].
   float* ws = nullptr;
-  float* totals = nullptr;  // the groups' dweight / dbias partials [groups, 2, D] (totals_floats), or none
   // Outputs of the final column reduction (fp32): per-sample-row sums [B, D] and [D] totals.
   float* dscale_rows = nullptr;  // non-null iff scale is reduced (per-sample or shared)
   float* dshift_rows = nullptr;  // non-null iff shift is present and reduced
@@ -135,6 +134,7 @@ struct BwdArgs {
   int threads = 0, chunks = 0;  // the row kernel's block: threads, 16-byte chunks a thread (backward_plan)
   Segments seg;  // the segmented layout (the one-pass ring kernel only), or off
   int64_t pieces = 0;  // workspace rows a plane (column_pieces), set by the host after backward_plan
+  float* totals = nullptr;  // the reduction groups' dweight / dbias partials [groups, 2, D] (totals_floats), or none
 };
 
 // Threads per block and 16-byte chunks per thread for a row of D elements of x's dtype.

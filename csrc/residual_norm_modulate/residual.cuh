@@ -163,7 +163,6 @@ struct ResBwdArgs {
   float* dweight = nullptr;
   float* dbias = nullptr;
   float* ws = nullptr;       // [kResPlanes, pieces, D] fp32 partial sums (norm_modulate.cuh: Pieces)
-  float* totals = nullptr;   // the groups' dweight / dbias partials [groups, 2, D] (totals_floats), or none
   // [B * N, 2] fp32: mean_D(g), mean_D(g * r_hat) a row (two kernels, and the segmented layout, whose
   // column kernel reads them when the ids are out of order)
   float* rowsums = nullptr;
@@ -183,6 +182,7 @@ struct ResBwdArgs {
   // workspace's pieces a plane (tiles * B, or tiles + segments), set by the caller after the plan.
   Segments seg;
   int64_t pieces = 0;
+  float* totals = nullptr;  // the reduction groups' dweight / dbias partials [groups, 2, D] (totals_floats), or none
 
   bool columns() const { return dgate_rows || dscale_rows || dshift_rows || dweight || dbias; }
 };
