@@ -8,7 +8,10 @@
 VENV ?= .venv
 PYTHON ?= python3
 # The torch we test on CPU; on a GPU machine pass your CUDA build, e.g. make test TORCH="torch==2.11.0".
+# TORCH_INDEX: extra pip arguments for it, e.g. TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
+# (PyPI's Linux wheel is the CUDA build, a large download a CPU-only machine does not need).
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 CHECK_CUDA ?= 0
 PY := $(VENV)/bin/python
 
@@ -16,7 +19,7 @@ PY := $(VENV)/bin/python
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TORCH)" $(TORCH_INDEX)
 	$(PY) -m pip install -q -e ".[test,plot,parquet]"
 	touch $@
 

@@ -17,8 +17,10 @@ def _to_builtin(o):
 
 def write_json_atomic(path, data) -> None:
     """Write ``data`` as JSON to ``path`` through a temporary file and ``os.replace``, so a crash
-    never leaves a half-written file (numpy and torch values are converted)."""
+    never leaves a half-written file (numpy and torch values are converted); missing parent folders
+    are created."""
     path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1, default=_to_builtin)

@@ -30,7 +30,7 @@ def test_quickstart_runs_as_written(tmp_path):
         assert proc.returncode == 0, f"block {index} ({language}) failed:\n{code}\n{proc.stderr[-3000:]}"
         if language == "python" and "print(" in code:
             assert proc.stdout.strip(), f"block {index} printed nothing"
-    assert (tmp_path / "plan.json").is_file()
+    assert (tmp_path / "runs" / "plan.json").is_file()
 
 
 def test_names_only_the_user_settings():

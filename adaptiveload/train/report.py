@@ -49,7 +49,7 @@ def _rows(run: dict) -> list[tuple[str, str]]:
                                             f"{_fmt(run.get('composition_lag1_corr'), 'ratio')}"),
         ("step time |predicted - measured| / measured, median", _fmt(run.get("step_time_rel_err_median"), "ratio")),
         ("peak memory GiB (max rank)", _fmt(max(peaks) if peaks else None, "gib")),
-        ("fused chains / seen / model norm sites (modulated)",
+        ("fused chains / seen in compiled code / model norm sites (modulated)",
          f"{run.get('fused_chains', 0)} / {run.get('seen_chains', 0)} / {model.get('norm_sites') or '-'} "
          f"({model.get('modulate_sites') or '-'})"),
         ("compiled graphs (in timed steps)",
