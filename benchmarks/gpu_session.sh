@@ -27,6 +27,10 @@
 #              test_residual_norm_modulate.py and tests/fxfuse/test_residual.py -m cuda, RESIDUAL_TESTS_TIMEOUT)
 #              -> $OUT/residual_tests.log, then benchmarks/bench_residual.py (op times against SoL, determinism,
 #              accuracy against Inductor; RESIDUAL_ARGS) -> $OUT/residual_${RESIDUAL_TAG:-h200}.json / .md
+#   segmented  the segmented layout (packs): the CUDA tests of both families' segmented ops and the residual ops
+#              (-k "not property"; SEGMENTED_TESTS_TIMEOUT) -> $OUT/segmented_tests.log, then
+#              benchmarks/bench_segmented.py for adaln_modulate and the Wan residual site, speed only
+#              -> $OUT/segmented_${SEGMENTED_TAG:-h200}.json / .md and segmented_${SEGMENTED_TAG:-h200}_residual.*
 #   ltx        benchmarks/bench_dit_step.py --model ltx (diffusers LTX-Video training step, backend vs Inductor;
 #              needs diffusers as a wheel in .whl; LTX_ARGS) -> $OUT/ltx_step_${LTX_TAG:-h200}.json / .md
 #   wan        benchmarks/bench_dit_step.py --model wan --profile (diffusers Wan 2.1 1.3B shape, 10 layers, training
@@ -135,6 +139,18 @@ if want residual; then
   timeout ${RESIDUAL_TIMEOUT:-300} python3 benchmarks/bench_residual.py --out "$OUT" --tag "${RESIDUAL_TAG:-h200}" \
     ${RESIDUAL_ARGS:-} >"$OUT/residual.log" 2>&1
   echo "residual: exit $?"; cat "$OUT/residual.log"
+fi
+if want segmented; then
+  timeout ${SEGMENTED_TESTS_TIMEOUT:-360} python3 -m pytest tests/ops/test_segmented.py tests/ops/test_residual_segmented.py \
+    tests/ops/test_residual_norm_modulate.py -m cuda -q -p no:cacheprovider -k "not property" \
+    -W ignore::DeprecationWarning >"$OUT/segmented_tests.log" 2>&1
+  echo "segmented tests: exit $?"; tail -5 "$OUT/segmented_tests.log"
+  for op in adaln residual; do
+    suffix=$([[ $op == residual ]] && echo _residual)
+    timeout 120 python3 benchmarks/bench_segmented.py --op "$op" --no-accuracy --out "$OUT" \
+      --tag "${SEGMENTED_TAG:-h200}$suffix" >"$OUT/segmented_$op.log" 2>&1
+    echo "bench_segmented --op $op: exit $?"; cat "$OUT/segmented_$op.log"
+  done
 fi
 if want ltx; then
   timeout ${LTX_TIMEOUT:-400} python3 benchmarks/bench_dit_step.py --model ltx --out "$OUT" --tag "${LTX_TAG:-h200}" \
