@@ -381,7 +381,7 @@ std::vector<Tensor> backward_rows(Norm norm, const Tensor& dy, const Tensor& x, 
   }
   a.pieces = seg.has_value() ? a.tiles + a.seg.count : a.tiles * B;  // (the workspace: piece_of)
   // the planes, then the reduction groups' totals partials (norm_modulate.cuh: reduce_groups)
-  const int64_t totals = totals_floats(seg.has_value() ? a.seg.count : B, D, a.dweight || a.dbias);
+  const int64_t totals = totals_floats(a);
   auto ws = at::empty({3 * a.pieces * D + totals}, f32);
   a.ws = ws.data_ptr<float>();
   if (totals > 0) a.totals = a.ws + 3 * a.pieces * D;

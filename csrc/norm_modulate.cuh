@@ -678,7 +678,7 @@ struct Pieces {
 __host__ __device__ inline int64_t piece_of(int64_t tile, int64_t b, int64_t B, bool segmented) {
   return segmented ? tile + b : tile * B + b;
 }
-// The final column reductions' grid: ceil(D / 32) strips of columns by reduce_groups(samples) groups,
+// The final column reductions' grid: ceil(D / 32) strips of columns by reduce_groups(a) groups,
 // group g summing samples (or segments) g, g + groups, ... one after another; their rows of dscale,
 // dshift (and dgate) are independent. One group loops over every sample in one block: at 42 segments
 // that is 42 latency-bound rounds, 67-86 us on an H200 against 7-12 us for one (Nsight Compute,
@@ -686,14 +686,24 @@ __host__ __device__ inline int64_t piece_of(int64_t tile, int64_t b, int64_t B, 
 // samples) come from each group's partials, summed in group order by reduce_totals_kernel: a fixed
 // order, so still no atomics and the same bits every run.
 constexpr int kReduceGroups = 64;
-inline int reduce_groups(int64_t samples) {
+// The rows of per-sample sums a backward's final column reduction forms (BwdArgs, ResBwdArgs): one
+// per segment in the segmented layout, else one per sample.
+template <typename Args>
+__host__ __device__ __forceinline__ int64_t column_samples(const Args& a) {
+  return a.seg.on() ? a.seg.count : a.B;
+}
+template <typename Args>
+int reduce_groups(const Args& a) {
+  const int64_t samples = column_samples(a);
   return static_cast<int>(samples < 1 ? 1 : samples < kReduceGroups ? samples : kReduceGroups);
 }
-// Floats of the groups' totals partials ([groups, 2, D]) a backward needs: none with one group or no
-// total wanted.
-inline int64_t totals_floats(int64_t samples, int D, bool total_wanted) {
-  const int groups = reduce_groups(samples);
-  return groups > 1 && total_wanted ? static_cast<int64_t>(groups) * 2 * D : 0;
+// Floats of the groups' totals partials ([groups, 2, D]) a backward needs: none with one group or
+// neither dweight nor dbias wanted. (Called by the host once `a`'s segments, B, D and gradient
+// pointers are set, so that the launch's reduce_groups(a) is the same count.)
+template <typename Args>
+int64_t totals_floats(const Args& a) {
+  const int groups = reduce_groups(a);
+  return groups > 1 && (a.dweight || a.dbias) ? static_cast<int64_t>(groups) * 2 * a.D : 0;
 }
 // The end of a final column reduction, thread of column d (< D) holding its group's totals: written
 // as dweight / dbias with one group, else as the group's partials.

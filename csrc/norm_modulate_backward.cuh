@@ -354,7 +354,7 @@ __global__ void __launch_bounds__(32) seg_col_kernel(const BwdArgs a) {
   }
 }
 
-// Final column reduction: grid (ceil(D / 32), reduce_groups(samples)), block (32, 16). Thread
+// Final column reduction: grid (ceil(D / 32), reduce_groups(a)), block (32, 16). Thread
 // (tx, ty) owns feature d = 32 * blockIdx.x + tx and sums tiles ty, ty + 16, ... of each sample of
 // its group; the 16 partial sums are then added in a fixed order (tile_column_sums). Writes
 // per-sample rows of dscale/dshift and the dweight/dbias totals (fp32; store_totals).
@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(512) bwd_reduce_kernel(const BwdArgs a) {
   const float w = (a.weight && d < a.D) ? a.weight[d] : 1.f;
   const float bb = (a.bias && d < a.D) ? a.bias[d] : 0.f;
   float dw = 0.f, db = 0.f;
-  const int64_t samples = a.seg.on() ? a.seg.count : a.B;  // (segmented: per segment)
+  const int64_t samples = column_samples(a);
   for (int64_t b = blockIdx.y; b < samples; b += gridDim.y) {  // this group's samples (reduce_groups)
     float s[3];
     tile_column_sums<3>(a.ws, plane, column_pieces(b, a.tiles, a.B, a.seg, a.rows_per_tile), a.D, d, use, part, s);
@@ -436,7 +436,7 @@ struct BwdKernels {
     if constexpr (!SPT) {
       if (a.seg.on()) seg_col_kernel<N, Tx, Tdy><<<(a.D + 31) / 32, 32, 0, stream>>>(a);
     }
-    const int groups = reduce_groups(a.seg.on() ? a.seg.count : a.B);
+    const int groups = reduce_groups(a);
     bwd_reduce_kernel<Tm, SPT><<<dim3((a.D + 31) / 32, groups), dim3(32, 16), 0, stream>>>(a);
     launch_reduce_totals(a.totals, groups, a.D, a.dweight, a.dbias, stream);
   }

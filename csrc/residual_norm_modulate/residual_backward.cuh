@@ -372,9 +372,10 @@ __global__ void __launch_bounds__(32) res_seg_col_kernel(const ResBwdArgs a) {
   }
 }
 
-// Final column reduction: grid (ceil(D / 32), reduce_groups(samples)), block (32, 16); per sample of
-// the block's group, the tiles of each plane summed in a fixed order (tile_column_sums), then the
-// per-sample rows and the dweight / dbias totals (fp32; store_totals) formed as the header says. (A template only so that each dtype's file has its own instance.)
+// Final column reduction: grid (ceil(D / 32), reduce_groups(a)), block (32, 16); per sample of the
+// block's group, the tiles of each plane summed in a fixed order (tile_column_sums), then the
+// per-sample rows and the dweight / dbias totals (fp32; store_totals) formed as the header says. (A
+// template only so that each dtype's file has its own instance.)
 template <typename Tr>
 __global__ void __launch_bounds__(512) res_reduce_kernel(const ResBwdArgs a) {
   __shared__ float part[kResPlanes][16][33];
@@ -387,7 +388,7 @@ __global__ void __launch_bounds__(512) res_reduce_kernel(const ResBwdArgs a) {
   const float w = (a.weight && d < a.D) ? a.weight[d] : 1.f;
   const float bb = (a.bias && d < a.D) ? a.bias[d] : 0.f;
   float dw = 0.f, db = 0.f;
-  const int64_t samples = a.seg.on() ? a.seg.count : a.B;  // (segmented: per segment)
+  const int64_t samples = column_samples(a);
   for (int64_t b = blockIdx.y; b < samples; b += gridDim.y) {  // this group's samples (reduce_groups)
     float s[kResPlanes];
     tile_column_sums<kResPlanes>(a.ws, plane, column_pieces(b, a.tiles, a.B, a.seg, a.rows_per_tile), a.D, d, use,
@@ -498,7 +499,7 @@ void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
     res_bwd_col_kernel<N, Tr><<<grid, dim3(32, 8), 0, stream>>>(a);
   }
   if (a.seg.on()) res_seg_col_kernel<N, Tr><<<(a.D + 31) / 32, 32, 0, stream>>>(a);
-  const int groups = reduce_groups(a.seg.on() ? a.seg.count : a.B);
+  const int groups = reduce_groups(a);
   res_reduce_kernel<Tr><<<dim3((a.D + 31) / 32, groups), dim3(32, 16), 0, stream>>>(a);
   launch_reduce_totals(a.totals, groups, a.D, a.dweight, a.dbias, stream);
 }

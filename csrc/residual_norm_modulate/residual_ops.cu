@@ -238,7 +238,7 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
     if (a.columns()) {
       a.pieces = segmented ? a.tiles + a.seg.count : a.tiles * B;  // (norm_modulate.cuh: Pieces)
       // the planes, then the reduction groups' totals partials (norm_modulate.cuh: reduce_groups)
-      const int64_t totals = totals_floats(segmented ? a.seg.count : B, D, a.dweight || a.dbias);
+      const int64_t totals = totals_floats(a);
       ws = at::empty({kResPlanes * a.pieces * D + totals}, f32);
       a.ws = ws.data_ptr<float>();
       if (totals > 0) a.totals = a.ws + kResPlanes * a.pieces * D;
