@@ -44,8 +44,8 @@ For each (B, S) of ``--shapes``:
 * ``--profile`` (CUDA only; skipped on a CPU): one more step of each backend under ``torch.profiler``:
   GPU time (ms) of all its device activities (kernels, copies, memsets; GPU user-annotation ranges
   excluded, they span the kernels they annotate) and of the norm-site kernels, each backend's over
-  Inductor's, and the ops by self device time, then the norm-site kernels by name, in
-  ``<model>_profile_<tag>_<B>x<S>_<backend>.txt``.
+  Inductor's, and the ops by self device time, the norm-site kernels by name and the ops by self CPU
+  (host) time, in ``<model>_profile_<tag>_<B>x<S>_<backend>.txt``.
   A norm-site kernel is one whose name contains one of ``NORM_SITE_KERNELS``: ``adaln`` (the C++
   namespace of all of this library's kernels, csrc/: fwd_kernel, bwd_row_kernel, bwd_col_kernel,
   bwd_reduce_kernel, res_*), ``res_fwd`` / ``res_bwd`` / ``res_reduce`` (the residual kernels), and
@@ -309,7 +309,7 @@ def device_ms(prof) -> tuple[float, float, dict]:
 def profile_step(model, inputs, target, args, path: Path) -> dict:
     """One step under torch.profiler (CPU and CUDA): its wall ms, the GPU ms of all its device
     activities (``kernel_ms``) and of the norm sites' kernels (``norm_site_ms``); the ops by self
-    device time go to ``path``."""
+    device time, then by self CPU time, go to ``path``."""
     from torch.profiler import ProfilerActivity, profile
 
     sync(args)
@@ -320,9 +320,12 @@ def profile_step(model, inputs, target, args, path: Path) -> dict:
         sync(args)
         wall_ms = (time.perf_counter() - t0) * 1e3
     kernel_ms, norm_ms, norm_kernels = device_ms(prof)
-    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_device_time_total", row_limit=40)
     table += "\n\n# norm-site kernels, GPU ms in the step\n" + "\n".join(
         f"{ms:9.3f}  {name}" for name, ms in norm_kernels.items())
+    table += "\n\n# the same step by host (self CPU) time\n" + averages.table(sort_by="self_cpu_time_total",
+                                                                               row_limit=40)
     path.write_text(f"# one step: wall {wall_ms:.2f} ms (profiled), kernels {kernel_ms:.2f} ms, "
                     f"norm-site kernels {norm_ms:.2f} ms\n{table}\n")
     return {"wall_ms_profiled": wall_ms, "kernel_ms": kernel_ms, "norm_site_ms": norm_ms}

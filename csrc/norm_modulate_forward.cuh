@@ -21,8 +21,9 @@
 // the ring's slot is released after it.
 //
 // Segmented layout (FwdArgs::seg: a pack, B = 1): the rows' segments are read with the rows, and a
-// thread recomputes its coefficients where the segment changes (a few times a block with
-// non-decreasing ids).
+// thread recomputes its coefficients where the segment changes. With several segments the wave's
+// blocks take tiles of consecutive rows (Segments::consecutive), so that with non-decreasing ids a block
+// crosses one or two segment boundaries instead of every one.
 //
 // RING (sm_90; aligned rows): rows come through a ring of a.stages slots in shared memory instead
 // of the register prefetch, filled by bulk copies that thread 0 issues a.stages rows ahead; the
@@ -57,10 +58,18 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   const bool tail = blockIdx.x >= wave;
   const int64_t j = tail ? blockIdx.x - wave : blockIdx.x, per = tail ? a.tail_blocks : tiles;
   const int64_t b = j / per, t = j % per;
-  const int64_t first = tail ? a.main_rows + t * a.tail_rows : t;
-  const int64_t step = tail ? 1 : tiles;
-  const int64_t count = tail ? min(static_cast<int64_t>(a.tail_rows), a.N - first)
-                             : (t < a.main_rows ? (a.main_rows - 1 - t) / tiles + 1 : 0);
+  int64_t first = tail ? a.main_rows + t * a.tail_rows : t;
+  int64_t step = tail ? 1 : tiles;
+  int64_t count = tail ? min(static_cast<int64_t>(a.tail_rows), a.N - first)
+                       : (t < a.main_rows ? (a.main_rows - 1 - t) / tiles + 1 : 0);
+  if constexpr (SEG) {  // a pack of several segments: the wave's blocks take consecutive rows (Segments::consecutive)
+    if (!tail && a.seg.consecutive) {
+      const int64_t rows = (a.main_rows + tiles - 1) / tiles;
+      first = t * rows;
+      step = 1;
+      count = min(rows, a.main_rows - first);
+    }
+  }
   if (count <= 0) return;  // whole block: no barrier is skipped by part of it
   const int D = a.D, T = blockDim.x, tid = threadIdx.x;
   const bool al = a.aligned;
@@ -336,6 +345,7 @@ bool fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
       a.tail_blocks = (a.N - a.main_rows + a.tail_rows - 1) / a.tail_rows;
       if (a.B * (tiles + a.tail_blocks) > kMaxGridX) a.main_rows = a.N, a.tail_blocks = 0;  // (gridDim.x)
     }
+    a.seg.consecutive = a.seg.on() && a.seg.count > 1;
     kernel<<<static_cast<unsigned>(a.B * (tiles + a.tail_blocks)), rs.threads, smem, stream>>>(a, tiles);
   };
   // the ring where it compiles without spills (its own, narrower block shape), else the register prefetch
