@@ -3,7 +3,8 @@
 # then the GPU tests and the sanitizer (on the second GPU, alongside the benchmark on the first; one
 # after the other on a one-GPU machine), writing logs and results under $OUT. Stages, run in this order:
 #   build      adaptiveload build (always done first when any other stage is given)
-#   tests      pytest -m cuda tests/ops (TESTS_K: a pytest -k expression for a subset) on GPU 1, in the
+#   tests      pytest -m cuda tests/ops (TESTS_K: a pytest -k expression for a subset; TESTS_WORKERS processes,
+#              default 4, for the fixed-shape tests and the residual / segmented stages' tests) on GPU 1, in the
 #              background while the benchmark runs (first, on GPU 0, where there is one GPU)
 #   sanitize   benchmarks/sanitize.sh after the tests, on the same GPU (SANITIZE_OPS: which ops)
 #   sweep, ring, tail, store, wide, host: benchmarks/kernel_stages.py <stage> on GPU 0 -> $OUT/<stage>.log;
@@ -60,6 +61,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export ADAPTIVELOAD_CACHE=/tmp/adaptiveload-cache HYPOTHESIS_PROFILE=ci
 STAGES=" $* "
+# the fixed-shape CUDA tests in TESTS_WORKERS processes on the one GPU (pytest-xdist; 0: one process):
+# one process took ~8 min for tests/ops on the H200, more than a call's 10 minutes leave after the build
+XDIST=$([[ ${TESTS_WORKERS:-4} -gt 0 ]] && echo "-n ${TESTS_WORKERS:-4}")
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 # the Nsight Compute sections of the ncu stages
 NCU_SECTIONS=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
@@ -91,7 +95,7 @@ if want tests || want sanitize; then
     export CUDA_VISIBLE_DEVICES=$(( NGPU > 1 ? 1 : 0 ))
     if want tests; then
       # the fixed-shape tests first, then the hypothesis property test (its shrinking can be slow)
-      timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/ops -m cuda -q -p no:cacheprovider --durations=10 \
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/ops -m cuda -q -p no:cacheprovider --durations=10 $XDIST \
         -W ignore::DeprecationWarning -k "not kernels_match_float64_reference ${TESTS_K:+and ($TESTS_K)}" >"$OUT/tests.log" 2>&1
       echo "tests (fixed shapes): exit $?" >>"$OUT/tests.log"
       timeout ${PROPERTY_TIMEOUT:-90} python3 -m pytest tests/ops -m cuda -q -p no:cacheprovider \
@@ -132,7 +136,7 @@ if want rms; then
   echo "rms: exit $?"; cat "$OUT/rms.log"
 fi
 if want residual; then
-  timeout ${RESIDUAL_TESTS_TIMEOUT:-240} python3 -m pytest tests/ops/test_residual_norm_modulate.py \
+  timeout ${RESIDUAL_TESTS_TIMEOUT:-240} python3 -m pytest $XDIST tests/ops/test_residual_norm_modulate.py \
     tests/fxfuse/test_residual.py -m cuda -q -p no:cacheprovider --durations=10 -W ignore::DeprecationWarning \
     >"$OUT/residual_tests.log" 2>&1
   echo "residual tests: exit $?"; tail -15 "$OUT/residual_tests.log"
@@ -141,7 +145,7 @@ if want residual; then
   echo "residual: exit $?"; cat "$OUT/residual.log"
 fi
 if want segmented; then
-  timeout ${SEGMENTED_TESTS_TIMEOUT:-360} python3 -m pytest tests/ops/test_segmented.py tests/ops/test_residual_segmented.py \
+  timeout ${SEGMENTED_TESTS_TIMEOUT:-360} python3 -m pytest $XDIST tests/ops/test_segmented.py tests/ops/test_residual_segmented.py \
     tests/ops/test_residual_norm_modulate.py -m cuda -q -p no:cacheprovider -k "not property" \
     -W ignore::DeprecationWarning >"$OUT/segmented_tests.log" 2>&1
   echo "segmented tests: exit $?"; tail -5 "$OUT/segmented_tests.log"

@@ -4,7 +4,8 @@
 //
 // Grid: B * tiles blocks, one wave (blocks per SM from the occupancy calculator); block i of a
 // sample takes rows i, i + tiles, i + 2 tiles, ... (the interleaved order of the norm -> modulate
-// forward, without its short blocks after the wave). A per-sample or shared gate, scale and shift
+// forward, without its short blocks after the wave); in a pack of several segments, a tile of
+// consecutive rows, so that a block crosses one or two segment boundaries instead of every one. A per-sample or shared gate, scale and shift
 // are read once per block into per-column coefficients in shared memory:
 //     alpha = w * (1 + scale),  beta = b * (1 + scale) + shift,  g = gate (1 without a gate);
 // per-token rows are read with their row. Per row:
@@ -40,7 +41,18 @@ __device__ __forceinline__ void res_fwd_rows(const ResFwdArgs& a, int64_t tiles)
   int parity = 0;
   const int64_t b = blockIdx.x / tiles, t = blockIdx.x % tiles;
   if (t >= a.N) return;  // whole block: no barrier is skipped by part of it
-  const int64_t count = (a.N - 1 - t) / tiles + 1;
+  // the block's k-th row is first + k * step: interleaved, or (a pack of several segments,
+  // Segments::consecutive) a tile of consecutive rows
+  int64_t first = t, step = tiles, count = (a.N - 1 - t) / tiles + 1;
+  if constexpr (SEG) {
+    if (a.seg.consecutive) {
+      const int64_t rows = (a.N + tiles - 1) / tiles;
+      first = t * rows;
+      step = 1;
+      count = min(rows, a.N - first);
+      if (count <= 0) return;
+    }
+  }
   const int D = a.D, T = blockDim.x, tid = threadIdx.x;
   const bool al = a.aligned;
   // per-token rows, read with each row (PT only): a shift row also when scale is per-token, since the
@@ -76,7 +88,7 @@ __device__ __forceinline__ void res_fwd_rows(const ResFwdArgs& a, int64_t tiles)
   };
   // Segmented layout (SEG; B = 1): the current row's segment; where it changes each thread
   // recomputes its own columns (no barrier), at the top of the row; the next row's is read a row ahead
-  int64_t seg_cur = SEG ? seg_of(a.seg, t) : b, seg_next = seg_cur;
+  int64_t seg_cur = SEG ? seg_of(a.seg, first) : b, seg_next = seg_cur;
 #pragma unroll
   for (int c = 0; c < C; ++c) coef_chunk(c, seg_cur);
 
@@ -88,12 +100,12 @@ __device__ __forceinline__ void res_fwd_rows(const ResFwdArgs& a, int64_t tiles)
     IO::template load<VEC, C>(IO::at(a.x, a.xt, off), a.xt, D, T, tid, al, xs);
     IO::template load<VEC, C>(IO::at(a.y, a.yt, off), a.yt, D, T, tid, al, ys);
   };
-  if constexpr (kPrefetch) load_xy(t, nx, ny);
+  if constexpr (kPrefetch) load_xy(first, nx, ny);
   // the staging ring (STG) after the coefficient rows: x in tensor 0, y in 1 of each slot
   const RowStage<Tr, 2, C> stage{reinterpret_cast<uint4*>(coef_smem + 3 * arr), T, tid};
   const int S = STG ? a.stages : 1;
   auto stage_row = [&](int64_t k, int slot) {  // the block's k-th row
-    const int64_t o = (b * a.N + t + k * tiles) * static_cast<int64_t>(D);
+    const int64_t o = (b * a.N + first + k * step) * static_cast<int64_t>(D);
     stage.copy(slot, 0, static_cast<const Tr*>(a.x) + o, D);
     stage.copy(slot, 1, static_cast<const Tr*>(a.y) + o, D);
   };
@@ -106,11 +118,11 @@ __device__ __forceinline__ void res_fwd_rows(const ResFwdArgs& a, int64_t tiles)
   int slot = 0;  // the k-th row's slot (STG)
 
   for (int64_t k = 0; k < count; ++k) {
-    const int64_t n = t + k * tiles;
+    const int64_t n = first + k * step;
     const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
     if constexpr (SEG) {
       const int64_t m = seg_next;
-      if (k + 1 < count) seg_next = seg_of(a.seg, n + tiles);
+      if (k + 1 < count) seg_next = seg_of(a.seg, n + step);
       if (m != seg_cur) {
 #pragma unroll
         for (int c = 0; c < C; ++c) coef_chunk(c, m);
@@ -129,7 +141,7 @@ __device__ __forceinline__ void res_fwd_rows(const ResFwdArgs& a, int64_t tiles)
     } else if constexpr (kPrefetch) {
 #pragma unroll
       for (int c = 0; c < C; ++c) cx[c] = nx[c], cy[c] = ny[c];
-      if (k + 1 < count) load_xy(n + tiles, nx, ny);  // in flight while this row is reduced
+      if (k + 1 < count) load_xy(n + step, nx, ny);  // in flight while this row is reduced
     } else {
       load_xy(n, cx, cy);
     }
@@ -246,6 +258,7 @@ bool res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
     const size_t smem = res_fwd_smem(rs, a.stages, slot);
     int64_t tiles, rows_per_tile;  // (the interleaved order needs only the tile count)
     one_wave(kernel, rs.threads, smem, a.B, a.N, /*interleaved=*/true, tiles, rows_per_tile);
+    a.seg.consecutive = a.seg.on() && a.seg.count > 1;
     kernel<<<static_cast<unsigned>(a.B * tiles), rs.threads, smem, stream>>>(a, tiles);
   };
   // the staging ring where the rows are aligned (a.stages: the request, resolved here)
