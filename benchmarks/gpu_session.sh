@@ -7,7 +7,7 @@
 #              default 4, for the fixed-shape tests and the residual / segmented stages' tests) on GPU 1, in the
 #              background while the benchmark runs (first, on GPU 0, where there is one GPU)
 #   sanitize   benchmarks/sanitize.sh after the tests, on the same GPU (SANITIZE_OPS: which ops)
-#   sweep, ring, tail, store, wide, host: benchmarks/kernel_stages.py <stage> on GPU 0 -> $OUT/<stage>.log;
+#   sweep, ring, tail, store, wide, small, host: benchmarks/kernel_stages.py <stage> on GPU 0 -> $OUT/<stage>.log;
 #              the kernels choose every launch setting themselves, and these stages force the ones they
 #              compare with the private adaptiveload.ops._tuning.override (its keywords below)
 #   sweep      op-only timings over thread caps (max_threads) and the two-kernel backward (two_kernel)
@@ -20,6 +20,8 @@
 #              (store = threads / bulk, alternated three times), a clone of x of the same size, per-token
 #              forward and backward rows
 #   tail, store  the forward by its short blocks after the wave (tail) / by store, slots and thread cap
+#   small      small row counts (LTX-Video (8, 384) / (1, 6144), Wan 12 x 1,560): slots, thread caps, short
+#              blocks, and forward + backward against Inductor's compiled chain
 #   wide       forward and backward at wide rows (fp32 x D = 3072 / 5120 / 8192, bf16 D = 8192 / 12288 /
 #              16384; x of 512 MiB; the kernels' own choices)
 #   rms        benchmarks/bench_rms_norm.py (rms_norm_modulate: op times against SoL, determinism,
@@ -112,7 +114,7 @@ if want tests || want sanitize; then
 fi
 
 export CUDA_VISIBLE_DEVICES=0
-for stage in sweep ring tail store wide; do  # kernel_stages.py's timing stages, in this order
+for stage in sweep ring tail store wide small; do  # kernel_stages.py's timing stages, in this order
   if want "$stage"; then
     python3 benchmarks/kernel_stages.py "$stage" >"$OUT/$stage.log" 2>&1
     echo "$stage: exit $?"; cat "$OUT/$stage.log"

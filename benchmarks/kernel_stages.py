@@ -17,6 +17,10 @@ with the private adaptiveload.ops._tuning.override (its keywords in parentheses 
   tail   the forward by the share of rows left to short blocks after the wave (tail = 0, 5/8, 10/8, 10/4, 15/8,
          20/16: percent / rows a block), alternated three times at the store stage's shapes (once at
          D = 1024 / 2048 / 4096)
+  small  forward and backward at small row counts (LTX-Video's (8, 384) and (1, 6144) at D = 2048 with
+         rms_norm_modulate, Wan's 12 x 1,560 at D = 1536 and 4 x 1,024 at D = 3072 with adaln_modulate;
+         per-sample modulation) by ring slots (0: the register path), thread cap and short blocks, and
+         forward + backward against Inductor's compiled chain
   host   host time of one forward+backward call per implementation (bench_adaln.host_time_us)
   ab     forward and backward at the rows of bench_adaln.py's long preset (N = 65536, D = 1536 / 3072 /
          5120; per-sample bf16 x with fp32 or bf16 modulation at B = 1 / 2, per-token bf16 at B = 1),
@@ -25,7 +29,7 @@ with the private adaptiveload.ops._tuning.override (its keywords in parentheses 
 
 Times are triton.testing.do_bench medians (ms) and fractions of speed-of-light: bytes that must move
 (per-sample forward 2, backward 3 x-sized tensors; per-token 4 and 6) / measured copy bandwidth.
-Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,ab,store,tail,host}
+Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,ab,store,tail,small,host}
 """
 from __future__ import annotations
 
@@ -202,8 +206,65 @@ def stage_tail(tt, op, bwd, bw):
                        settings)
 
 
+# Small row counts, where the step of a model is short (LTX-Video at (B, S) = (8, 384) and (1, 6144), Wan's
+# 12 images of 1,560 tokens): (B, N, D, norm, modulation dtype), per-sample modulation
+SMALL_SHAPES = ((8, 384, 2048, "rms", torch.bfloat16), (1, 6144, 2048, "rms", torch.bfloat16),
+                (12, 1560, 1536, "layer", torch.float32), (4, 1024, 3072, "layer", torch.float32))
+
+
+def inductor_chain(norm: str, D: int):
+    """Inductor's compiled norm -> modulate chain (forward and backward), the expression the backend fuses."""
+    import torch.nn.functional as F
+
+    def chain(x, s, h):
+        n = F.rms_norm(x.float(), (D,), eps=EPS) if norm == "rms" else F.layer_norm(x.float(), (D,), eps=EPS)
+        return (n * (1 + s) + h).to(x.dtype)
+
+    return torch.compile(chain, backend="inductor", dynamic=False)
+
+
+def stage_small(tt, op, bwd, bw):
+    """Small row counts (SMALL_SHAPES): the fused op's forward and backward with the kernels' own choices
+    and with the register path (fwd_stages / bwd_stages 0), thread caps 128 / 256 / 512 and no short
+    blocks after the wave (tail 0); then forward + backward of the op against Inductor's compiled chain
+    (GPU time by do_bench, so launch gaps are not in it)."""
+    ops = torch.ops.adaptiveload
+    for B, N, D, norm, mdt in SMALL_SHAPES:
+        x, s, h = per_sample(B, N, D, torch.bfloat16)
+        s, h = s.to(mdt), h.to(mdt)
+        dy = torch.randn_like(x)
+        if norm == "rms":
+            fwd = lambda: ops.rms_norm_modulate(x, None, s, h, EPS, torch.bfloat16)  # noqa: E731
+            y, rstd = fwd()
+            back = lambda: ops.rms_norm_modulate_backward(dy, x, None, s, h, rstd)  # noqa: E731
+        else:
+            fwd = lambda: op(x, None, None, s, h, EPS, torch.bfloat16)  # noqa: E731
+            y, mean, rstd = fwd()
+            back = lambda: bwd(dy, x, None, None, s, h, mean, rstd)  # noqa: E731
+        sol_f, sol_b = sol_ms(x, 2, bw), sol_ms(x, 3, bw)
+        name = f"B={B} N={N} D={D} {norm} {str(mdt).replace('torch.', '')} modulation"
+        for label_, fn, sol, stage_key in (("fwd", fwd, sol_f, "fwd_stages"), ("bwd", back, sol_b, "bwd_stages")):
+            by_setting(tt, f"{name} {label_} stages", fn, sol, stage_key, ("auto", 0))
+            by_setting(tt, f"{name} {label_} max_threads", fn, sol, "max_threads", ("auto", 128, 256, 512))
+        by_setting(tt, f"{name} fwd tail", fwd, sol_f, "tail", ("auto", 0))
+        xg, sg, hg = (t.detach().clone().requires_grad_(True) for t in (x, s, h))
+        chain = inductor_chain(norm, D)
+
+        def inductor_fwd_bwd():
+            torch.autograd.grad(chain(xg, sg, hg), (xg, sg, hg), dy)
+
+        def fused_fwd_bwd():
+            fwd()
+            back()
+
+        inductor_fwd_bwd()  # (compiles)
+        ind, fus = median_ms(tt, inductor_fwd_bwd), median_ms(tt, fused_fwd_bwd)
+        print(f"{name} fwd+bwd: fused op {fus:.4f} ms ({100 * (sol_f + sol_b) / fus:.0f}% SoL), Inductor "
+              f"{ind:.4f} ms ({100 * (sol_f + sol_b) / ind:.0f}%), fused / Inductor {fus / ind:.2f}", flush=True)
+
+
 STAGES = {"sweep": stage_sweep, "ring": stage_ring, "wide": stage_wide, "ab": stage_ab, "store": stage_store,
-          "tail": stage_tail}
+          "tail": stage_tail, "small": stage_small}
 
 
 def main(argv=None) -> int:
