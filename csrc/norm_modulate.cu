@@ -314,12 +314,13 @@ std::vector<Tensor> forward_rows(Norm norm, const Tensor& x, const optional<Tens
 }
 
 // {dx, dscale, dshift, dweight, dbias} of x viewed as [B, N, D]; mean: none for RMSNorm.
-//   dscale: [B, N, D] in scale's dtype when scale is per-token (Nm == N > 1), else fp32 [B, D]
-//           per-sample sums (the caller sums over B for a shared scale);
+//   dscale: [B, N, D] in the modulation's dtype when scale is per-token (Nm == N > 1), else [B, D]
+//           per-sample sums in the modulation's dtype, or fp32 when scale is shared over B > 1 (the
+//           caller sums over B);
 //   dshift: likewise, or empty without shift; dweight, dbias: fp32 [D], or empty when absent.
-// Segmented layout (seg given; x [1, T, D]): dscale and dshift fp32 [segments, D]; returns {} (the
-// caller's composite path then serves the call) where its kernel, the one-pass ring kernel, cannot
-// run.
+// Segmented layout (seg given; x [1, T, D]): dscale and dshift [segments, D] in the modulation's
+// dtype; returns {} (the caller's composite path then serves the call) where its kernel, the
+// one-pass ring kernel, cannot run.
 std::vector<Tensor> backward_rows(Norm norm, const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
                                   const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
                                   const optional<Tensor>& mean, const Tensor& rstd,
@@ -358,16 +359,22 @@ std::vector<Tensor> backward_rows(Norm norm, const Tensor& dy, const Tensor& x, 
   const bool scale_pt = a.scale.sn != 0;
   const bool shift_pt = shift.has_value() && a.shift.sn != 0;
   const int64_t rows = seg.has_value() ? scale.size(0) : B;  // modulation rows: samples or segments
-  Tensor dscale = scale_pt ? at::empty({B, N, D}, scale.options()) : at::empty({rows, D}, f32);
+  // The reduced rows are the gradient itself (per-sample or per-segment; a modulation shared over a
+  // batch is summed over it afterwards, in float32): written in the modulation's dtype, no cast after.
+  auto final_rows = [&](const Tensor& m, bool pt) { return pt || seg.has_value() || m.size(0) == B; };
+  const bool in_mt = final_rows(scale, scale_pt) && (!shift.has_value() || final_rows(*shift, shift_pt));
+  a.rows_t = in_mt ? a.mt : DType::F32;
+  const auto row_options = in_mt ? scale.options() : f32;
+  Tensor dscale = scale_pt ? at::empty({B, N, D}, scale.options()) : at::empty({rows, D}, row_options);
   Tensor dshift = !shift.has_value() ? at::empty({0}, f32)
                   : shift_pt         ? at::empty({B, N, D}, shift->options())
-                                     : at::empty({rows, D}, f32);
+                                     : at::empty({rows, D}, row_options);
   Tensor dweight = weight.has_value() ? at::empty({D}, f32) : at::empty({0}, f32);
   Tensor dbias = bias.has_value() ? at::empty({D}, f32) : at::empty({0}, f32);
   if (scale_pt) a.dscale_el = dscale.data_ptr();
-  else a.dscale_rows = dscale.data_ptr<float>();
+  else a.dscale_rows = dscale.data_ptr();
   if (shift_pt) a.dshift_el = dshift.data_ptr();
-  else if (shift.has_value()) a.dshift_rows = dshift.data_ptr<float>();
+  else if (shift.has_value()) a.dshift_rows = dshift.data_ptr();
   if (weight.has_value()) a.dweight = dweight.data_ptr<float>();
   if (bias.has_value()) a.dbias = dbias.data_ptr<float>();
 

@@ -121,9 +121,9 @@ struct BwdArgs {
   void* dshift_el = nullptr;  // non-null iff shift is per-token
   // Workspace of fp32 per-column partial sums: 3 planes of [tiles, B, D].
   float* ws = nullptr;
-  // Outputs of the final column reduction (fp32): per-sample-row sums [B, D] and [D] totals.
-  float* dscale_rows = nullptr;  // non-null iff scale is reduced (per-sample or shared)
-  float* dshift_rows = nullptr;  // non-null iff shift is present and reduced
+  // Outputs of the final column reduction: per-sample-row sums [B, D] in rows_t, and [D] fp32 totals.
+  void* dscale_rows = nullptr;  // non-null iff scale is reduced (per-sample or shared)
+  void* dshift_rows = nullptr;  // non-null iff shift is present and reduced
   float* dweight = nullptr;      // non-null iff weight is given
   float* dbias = nullptr;        // non-null iff bias is given
   int64_t B = 0, N = 0;
@@ -139,6 +139,10 @@ struct BwdArgs {
   Segments seg;  // the segmented layout (the one-pass ring kernel only), or off
   int64_t pieces = 0;  // workspace rows a plane (column_pieces), set by the host after backward_plan
   float* totals = nullptr;  // the reduction groups' dweight / dbias partials [groups, 2, D] (totals_floats), or none
+  // The dtype of dscale_rows / dshift_rows: the modulation's where those rows are its gradient
+  // (per-sample or per-segment), so that each sum is rounded once and no cast kernel follows; fp32
+  // where a modulation shared over the batch is summed over it afterwards.
+  DType rows_t = DType::F32;
 };
 
 // Threads per block and 16-byte chunks per thread for a row of D elements of x's dtype.
@@ -588,7 +592,13 @@ __device__ __forceinline__ void store_any(void* __restrict__ p, DType t, int col
   });
 }
 
-// One element of dtype t, as a float.
+// One element of dtype t: v rounded once to it (store1), or it as a float (load1).
+__device__ __forceinline__ void store1(void* __restrict__ p, DType t, int64_t i, float v) {
+  with_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    static_cast<T*>(p)[i] = from_f<T>(v);
+  });
+}
 __device__ __forceinline__ float load1(const void* __restrict__ p, DType t, int64_t i) {
   float v = 0.f;
   with_dtype(t, [&](auto tag) {

@@ -357,7 +357,8 @@ __global__ void __launch_bounds__(32) seg_col_kernel(const BwdArgs a) {
 // Final column reduction: grid (ceil(D / 32), reduce_groups(a)), block (32, 16). Thread
 // (tx, ty) owns feature d = 32 * blockIdx.x + tx and sums tiles ty, ty + 16, ... of each sample of
 // its group; the 16 partial sums are then added in a fixed order (tile_column_sums). Writes
-// per-sample rows of dscale/dshift and the dweight/dbias totals (fp32; store_totals).
+// per-sample rows of dscale/dshift (in BwdArgs::rows_t) and the dweight/dbias totals (fp32;
+// store_totals).
 template <typename Tm, bool SPT>
 __global__ void __launch_bounds__(512) bwd_reduce_kernel(const BwdArgs a) {
   __shared__ float part[3][16][33];
@@ -376,14 +377,14 @@ __global__ void __launch_bounds__(512) bwd_reduce_kernel(const BwdArgs a) {
     if (ty == 0 && d < a.D) {
       if (!SPT) {
         const float f = 1.f + to_f<Tm>(sc[b * a.scale.sb + d]);
-        a.dscale_rows[b * a.D + d] = w * s[0] + bb * s[1];
-        if (a.dshift_rows) a.dshift_rows[b * a.D + d] = s[1];
+        store1(a.dscale_rows, a.rows_t, b * a.D + d, w * s[0] + bb * s[1]);
+        if (a.dshift_rows) store1(a.dshift_rows, a.rows_t, b * a.D + d, s[1]);
         dw += f * s[0];
         db += f * s[1];
       } else {
         dw += s[0];
         db += s[1];
-        if (a.dshift_rows) a.dshift_rows[b * a.D + d] = s[2];
+        if (a.dshift_rows) store1(a.dshift_rows, a.rows_t, b * a.D + d, s[2]);
       }
     }
   }

@@ -155,11 +155,12 @@ struct ResBwdArgs {
   void* dscale_el = nullptr;
   void* dshift_el = nullptr;
   DType dgate_t = DType::F32, dscale_t = DType::F32, dshift_t = DType::F32;
-  // Column sums (fp32): per-sample rows [B, D] of a per-sample or shared gate / scale / shift, and
-  // the dweight / dbias totals [D]; nullptr where not wanted. None wanted: no workspace, no reduction.
-  float* dgate_rows = nullptr;
-  float* dscale_rows = nullptr;
-  float* dshift_rows = nullptr;
+  // Column sums: per-sample rows [B, D] of a per-sample or shared gate / scale / shift (in dgate_rows_t
+  // etc., below), and the dweight / dbias totals [D] (fp32); nullptr where not wanted. None wanted: no
+  // workspace, no reduction.
+  void* dgate_rows = nullptr;
+  void* dscale_rows = nullptr;
+  void* dshift_rows = nullptr;
   float* dweight = nullptr;
   float* dbias = nullptr;
   float* ws = nullptr;       // [kResPlanes, pieces, D] fp32 partial sums (norm_modulate.cuh: Pieces)
@@ -183,6 +184,10 @@ struct ResBwdArgs {
   Segments seg;
   int64_t pieces = 0;
   float* totals = nullptr;  // the reduction groups' dweight / dbias partials [groups, 2, D] (totals_floats), or none
+  // The rows' dtypes: each modulation's own where its rows are its gradient (per-sample or
+  // per-segment), so that each sum is rounded once and no cast kernel follows; fp32 where a modulation
+  // shared over the batch is summed over it afterwards.
+  DType dgate_rows_t = DType::F32, dscale_rows_t = DType::F32, dshift_rows_t = DType::F32;
 
   bool columns() const { return dgate_rows || dscale_rows || dshift_rows || dweight || dbias; }
 };

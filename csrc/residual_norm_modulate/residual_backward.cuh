@@ -395,9 +395,9 @@ __global__ void __launch_bounds__(512) res_reduce_kernel(const ResBwdArgs a) {
                                  part, s);
     if (ty == 0 && d < a.D) {
       const float f = reduced_scale ? 1.f + load1(a.scale.ptr, a.scale.t, b * a.scale.sb + d) : 1.f;
-      if (a.dscale_rows) a.dscale_rows[b * a.D + d] = w * s[0] + bb * s[1];
-      if (a.dshift_rows) a.dshift_rows[b * a.D + d] = spt ? s[2] : s[1];
-      if (a.dgate_rows) a.dgate_rows[b * a.D + d] = s[3];
+      if (a.dscale_rows) store1(a.dscale_rows, a.dscale_rows_t, b * a.D + d, w * s[0] + bb * s[1]);
+      if (a.dshift_rows) store1(a.dshift_rows, a.dshift_rows_t, b * a.D + d, spt ? s[2] : s[1]);
+      if (a.dgate_rows) store1(a.dgate_rows, a.dgate_rows_t, b * a.D + d, s[3]);
       dw += f * s[0];
       db += f * s[1];
     }

@@ -191,24 +191,28 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
   a.mean = mean_rows.defined() ? mean_rows.data_ptr<float>() : nullptr;
   a.rstd = rstd_rows.data_ptr<float>();
 
-  // outputs: per-token modulation's gradients per element, the others' per-sample column sums (fp32)
+  // outputs: per-token modulation's gradients per element, the others' per-sample column sums (mod_out)
   const auto f32 = r.options().dtype(at::kFloat);
   const Tensor dx = at::empty({B, N, D}, r.options().dtype(x_dtype));
   const Tensor dy = y3.defined() ? at::empty({B, N, D}, y3.options()) : Tensor();
-  auto mod_out = [&](const optional<Tensor>& m, const ModView& v, void*& el, DType& el_t, float*& rows) {
+  auto mod_out = [&](const optional<Tensor>& m, const ModView& v, void*& el, DType& el_t, void*& rows,
+                     DType& rows_t) {
     if (!m.has_value()) return Tensor();
     if (v.sn != 0) {
       Tensor g = at::empty({B, N, D}, r.options().dtype(element_grad_dtype(*m, r)));
       el = g.data_ptr(), el_t = to_dtype(g, "gradient");
       return g;
     }
-    Tensor g = at::empty({segmented ? a.seg.count : B, D}, f32);  // per-sample (or per-segment) sums
-    rows = g.data_ptr<float>();
+    // per-sample (or per-segment) sums: in m's dtype, the gradient itself; a row shared over B > 1:
+    // fp32, summed over the batch afterwards (mod_grad)
+    const bool own = segmented || B == 1 || v.sb != 0;
+    Tensor g = at::empty({segmented ? a.seg.count : B, D}, own ? r.options().dtype(m->scalar_type()) : f32);
+    rows = g.data_ptr(), rows_t = to_dtype(g, "gradient");
     return g;
   };
-  const Tensor dgate = mod_out(gate, a.gate, a.dgate_el, a.dgate_t, a.dgate_rows);
-  const Tensor dscale = mod_out(scale, a.scale, a.dscale_el, a.dscale_t, a.dscale_rows);
-  const Tensor dshift = mod_out(shift, a.shift, a.dshift_el, a.dshift_t, a.dshift_rows);
+  const Tensor dgate = mod_out(gate, a.gate, a.dgate_el, a.dgate_t, a.dgate_rows, a.dgate_rows_t);
+  const Tensor dscale = mod_out(scale, a.scale, a.dscale_el, a.dscale_t, a.dscale_rows, a.dscale_rows_t);
+  const Tensor dshift = mod_out(shift, a.shift, a.dshift_el, a.dshift_t, a.dshift_rows, a.dshift_rows_t);
   const Tensor dweight = weight.has_value() ? at::empty({D}, f32) : Tensor();
   const Tensor dbias = bias.has_value() ? at::empty({D}, f32) : Tensor();
   if (dweight.defined()) a.dweight = dweight.data_ptr<float>();

@@ -415,6 +415,41 @@ def test_opcheck_cuda(kernels, layout):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("mod_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale_layout, shift_layout", [("strided-per-sample", "per-sample"), ("per-sample", None),
+                                                        ("shared", "per-sample"), ("per-token", "per-sample")])
+@pytest.mark.parametrize("affine", [True, False])
+def test_kernels_16_bit_modulation_gradients_are_the_float32_sums_rounded_once(kernels, mod_dtype, scale_layout,
+                                                                            shift_layout, affine):
+    """16-bit scale and shift (a bf16 model's embedding): where their reduced rows are the gradient
+    itself (per-sample), the kernels write them in the modulation's dtype; a scale shared over the
+    batch is summed over it in float32 first. Either way each element is the float32 sum that the
+    same kernels give float32 modulation of equal values, rounded once (within one unit in the last
+    place: the two builds' row tiles may differ), and dx is unchanged."""
+    gen = torch.Generator().manual_seed(21)
+    x_shape = (3, 1560, 1536)
+    x = torch.randn(*x_shape, generator=gen).to("cuda", mod_dtype)
+    w, b = ((1 + 0.2 * torch.randn(2, 1536, generator=gen)).to("cuda", mod_dtype).unbind(0) if affine
+            else (None, None))
+    scale = make_mod(scale_layout, x_shape, mod_dtype, "cuda", gen)
+    shift = make_mod(shift_layout, x_shape, mod_dtype, "cuda", gen) if shift_layout else None
+    dy = torch.randn(*x_shape, generator=gen).to("cuda", mod_dtype)
+    grads = {}
+    for mdt in (mod_dtype, torch.float32):
+        s, h = scale.to(mdt), None if shift is None else shift.to(mdt)  # (exact: 16-bit values in float32)
+        _, mean, rstd = torch.ops.adaptiveload.adaln_modulate(x, w, b, s, h, EPS, mod_dtype)
+        grads[mdt] = torch.ops.adaptiveload.adaln_modulate_backward(dy, x, w, b, s, h, mean, rstd)
+    (dx, _, _, dscale, dshift), (dx32, _, _, dscale32, dshift32) = grads[mod_dtype], grads[torch.float32]
+    ulp = torch.finfo(mod_dtype).eps
+    torch.testing.assert_close(dx, dx32, rtol=ulp, atol=ulp)
+    for got, ref, m in ((dscale, dscale32, scale), (dshift, dshift32, shift)):
+        if m is None:
+            continue
+        assert got.dtype == m.dtype and got.shape == m.shape
+        torch.testing.assert_close(got.float(), ref.to(mod_dtype).float(), rtol=ulp, atol=0)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("D, dtype", [(20000, torch.bfloat16), (64, torch.float64)])
 def test_cuda_reference_path_beyond_the_kernels(D, dtype):
     """Rows wider than 16384 features and float64 inputs run the reference on the GPU."""

@@ -441,6 +441,35 @@ def test_kernels_two_kernel_backward(kernels, norm, gate_layout, modulation, sca
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("norm", sorted(OPS))
+@pytest.mark.parametrize("mod_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gate_layout, scale_layout, shift_layout", [
+    ("strided-per-sample", "per-sample", "shared"), ("shared", "strided-per-sample", "per-sample")])
+def test_kernels_16_bit_modulation_gradients_are_the_float32_sums_rounded_once(kernels, norm, mod_dtype,
+                                                                            gate_layout, scale_layout, shift_layout):
+    """16-bit gate, scale and shift: per-sample ones get their gradient rows written in their own dtype by
+    the reduce kernel, a shared one is summed over the batch in float32 first; either way each element
+    is the float32 sum the same kernels give float32 modulation of equal values, rounded once (within
+    one unit in the last place: the two builds' row tiles may differ)."""
+    v = make_inputs(norm, (3, 1560, 1536), mod_dtype, gate_layout, "scale+shift", scale_layout, shift_layout,
+                    True, 23, device="cuda")
+    names = ("gate", "scale", "shift")
+    grads = {}
+    for mdt in (mod_dtype, torch.float32):
+        w = {k: (t.to(mdt) if k in names else t) for k, t in v.items()}  # (exact: 16-bit values in float32)
+        leaves = [w[k].detach().requires_grad_(True) for k in names]
+        w.update(zip(names, leaves))
+        out = call(norm, w, mod_dtype, mod_dtype)[1]
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        dout = torch.randn(out.shape, generator=gen, device="cuda").to(mod_dtype)
+        grads[mdt] = torch.autograd.grad(out, leaves, dout)
+    ulp = torch.finfo(mod_dtype).eps
+    for name, got, ref in zip(names, grads[mod_dtype], grads[torch.float32]):
+        assert got.dtype == mod_dtype and got.shape == v[name].shape, name
+        torch.testing.assert_close(got.float(), ref.to(mod_dtype).float(), rtol=ulp, atol=0, msg=name)
+
+
+@pytest.mark.cuda
 @given(**_SHAPES, **_site_strategies(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
 def test_kernels_property(kernels, B, tokens, D, grad_layout, seed, norm, gate_layout, modulation, scale_layout,
                           shift_layout, affine, with_dr, dtype):
