@@ -53,8 +53,8 @@ struct Segments {
   const void* ids = nullptr;  // int32 or int64 [T]; nullptr: the [B, N, D] layout
   bool ids64 = false;
   // Forward only: the wave's blocks take tiles of consecutive rows instead of the interleaved rows
-  // (set by the launcher for packs of several segments, so that with non-decreasing ids a block
-  // crosses one or two segment boundaries, not every one).
+  // (packs of several segments: with non-decreasing ids a block then crosses one or two segment
+  // boundaries, not every one).
   bool consecutive = false;
   const int64_t* start = nullptr;
   int64_t count = 0;

@@ -345,7 +345,6 @@ bool fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
       a.tail_blocks = (a.N - a.main_rows + a.tail_rows - 1) / a.tail_rows;
       if (a.B * (tiles + a.tail_blocks) > kMaxGridX) a.main_rows = a.N, a.tail_blocks = 0;  // (gridDim.x)
     }
-    a.seg.consecutive = a.seg.on() && a.seg.count > 1;
     kernel<<<static_cast<unsigned>(a.B * (tiles + a.tail_blocks)), rs.threads, smem, stream>>>(a, tiles);
   };
   // the ring where it compiles without spills (its own, narrower block shape), else the register prefetch

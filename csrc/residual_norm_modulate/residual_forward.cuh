@@ -4,9 +4,10 @@
 //
 // Grid: B * tiles blocks, one wave (blocks per SM from the occupancy calculator); block i of a
 // sample takes rows i, i + tiles, i + 2 tiles, ... (the interleaved order of the norm -> modulate
-// forward, without its short blocks after the wave); in a pack of several segments, a tile of
-// consecutive rows, so that a block crosses one or two segment boundaries instead of every one. A per-sample or shared gate, scale and shift
-// are read once per block into per-column coefficients in shared memory:
+// forward, without its short blocks after the wave); in a pack of several segments
+// (Segments::consecutive), a tile of consecutive rows, so that a block crosses one or two segment
+// boundaries instead of every one. A per-sample or shared gate, scale and shift are read once per
+// block into per-column coefficients in shared memory:
 //     alpha = w * (1 + scale),  beta = b * (1 + scale) + shift,  g = gate (1 without a gate);
 // per-token rows are read with their row. Per row:
 //     r = round_Tr(x + g * y)          (fp32 multiply, then add: no FMA, as eager and Inductor round)
@@ -258,7 +259,6 @@ bool res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
     const size_t smem = res_fwd_smem(rs, a.stages, slot);
     int64_t tiles, rows_per_tile;  // (the interleaved order needs only the tile count)
     one_wave(kernel, rs.threads, smem, a.B, a.N, /*interleaved=*/true, tiles, rows_per_tile);
-    a.seg.consecutive = a.seg.on() && a.seg.count > 1;
     kernel<<<static_cast<unsigned>(a.B * tiles), rs.threads, smem, stream>>>(a, tiles);
   };
   // the staging ring where the rows are aligned (a.stages: the request, resolved here)
