@@ -362,7 +362,8 @@ std::vector<Tensor> backward_rows(Norm norm, const Tensor& dy, const Tensor& x, 
   const int64_t rows = seg.has_value() ? scale.size(0) : B;  // modulation rows: samples or segments
   // The reduced rows are the gradient itself (per-sample or per-segment; a modulation shared over a
   // batch is summed over it afterwards, in float32): written in the modulation's dtype, no cast after.
-  auto final_rows = [&](const Tensor& m, bool pt) { return pt || seg.has_value() || m.size(0) == B; };
+  // (Segmented: x is one sequence, [1, T, D].)
+  auto final_rows = [&](const Tensor& m, bool pt) { return pt || !summed_over_batch(m, x); };
   const bool in_mt = final_rows(scale, scale_pt) && (!shift.has_value() || final_rows(*shift, shift_pt));
   a.rows_t = in_mt ? a.mt : DType::F32;
   const auto row_options = in_mt ? scale.options() : f32;
@@ -420,6 +421,8 @@ bool per_token(const Tensor& t, const Tensor& x) {
   return false;
 }
 
+bool summed_over_batch(const Tensor& t, const Tensor& x) { return x.size(0) > 1 && bcast_size(t, x, 0) == 1; }
+
 // One dtype for scale and shift: theirs when they agree and it is x's or float32, else float32. A
 // per-token modulation broadcast over a batch > 1 also goes float32: its per-element gradients are
 // summed over the batch afterwards, and should be rounded once, after the sum.
@@ -429,7 +432,7 @@ at::ScalarType mod_dtype(const Tensor& x, const Tensor& scale, const optional<Te
     return at::kFloat;
   for (const Tensor* t : {&scale, shift.has_value() ? &*shift : nullptr}) {
     if (t == nullptr) continue;
-    if (x.size(0) > 1 && bcast_size(*t, x, 0) == 1 && per_token(*t, x)) return at::kFloat;
+    if (summed_over_batch(*t, x) && per_token(*t, x)) return at::kFloat;
   }
   return st;
 }
@@ -476,7 +479,7 @@ std::tuple<Tensor, Tensor> rms_forward(const Tensor& x, const optional<Tensor>& 
 // A kernel gradient of modulation `t` ([B, N, D] per element or [B, D] per-sample sums), summed over
 // the dims where `t` broadcasts, in t's shape and dtype.
 Tensor mod_grad(Tensor g, const Tensor& t, const Tensor& x) {
-  if (bcast_size(t, x, 0) == 1 && g.size(0) != 1) g = g.sum(at::IntArrayRef{0}, /*keepdim=*/true, at::kFloat);
+  if (summed_over_batch(t, x)) g = g.sum(at::IntArrayRef{0}, /*keepdim=*/true, at::kFloat);
   return g.reshape(t.sizes()).to(t.scalar_type());
 }
 

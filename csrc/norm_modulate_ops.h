@@ -94,6 +94,9 @@ bool mod_aligned(const ModView& v, int64_t esize);
 int64_t bcast_size(const at::Tensor& t, const at::Tensor& x, int64_t i);
 // A modulation with a token dim other than 1 (per-token).
 bool per_token(const at::Tensor& t, const at::Tensor& x);
+// Whether the kernels' gradient rows of modulation t (one per sample of x's batch) are summed over
+// that batch afterwards: t is shared by a batch of more than one sample.
+bool summed_over_batch(const at::Tensor& t, const at::Tensor& x);
 // Modulation t as a [B or 1, N or 1, D] view of x viewed as [B, N, D], in dtype dt (a copy only where
 // needed).
 at::Tensor modulation_rows(const at::Tensor& t, const at::Tensor& x, at::ScalarType dt);

@@ -104,7 +104,7 @@ const float* ptr_or_null(const optional<Tensor>& t) { return t.has_value() ? t->
 // The dtype of a per-token modulation's per-element gradient: its own, or float32 where it is
 // summed over a broadcast batch afterwards (rounded once, after the sum).
 at::ScalarType element_grad_dtype(const Tensor& t, const Tensor& x) {
-  return x.size(0) > 1 && bcast_size(t, x, 0) == 1 ? at::kFloat : t.scalar_type();
+  return summed_over_batch(t, x) ? at::kFloat : t.scalar_type();
 }
 
 }  // namespace
@@ -205,7 +205,7 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
     }
     // per-sample (or per-segment) sums: in m's dtype, the gradient itself; a row shared over B > 1:
     // fp32, summed over the batch afterwards (mod_grad)
-    const bool own = segmented || B == 1 || v.sb != 0;
+    const bool own = segmented || !summed_over_batch(*m, r);
     Tensor g = at::empty({segmented ? a.seg.count : B, D}, own ? r.options().dtype(m->scalar_type()) : f32);
     rows = g.data_ptr(), rows_t = to_dtype(g, "gradient");
     return g;
