@@ -212,15 +212,15 @@ SMALL_SHAPES = ((8, 384, 2048, "rms", torch.bfloat16), (1, 6144, 2048, "rms", to
                 (12, 1560, 1536, "layer", torch.float32), (4, 1024, 3072, "layer", torch.float32))
 
 
-def inductor_chain(norm: str, D: int):
-    """Inductor's compiled norm -> modulate chain (forward and backward), the expression the backend fuses."""
-    import torch.nn.functional as F
+def inductor_chain(norm: str):
+    """Inductor's compiled norm -> modulate chain (forward and backward): the expression bench_rms_norm.py
+    / bench_adaln.py (Wan's form) time against the op."""
+    from bench_adaln import chain
+    from bench_rms_norm import eager_chain
 
-    def chain(x, s, h):
-        n = F.rms_norm(x.float(), (D,), eps=EPS) if norm == "rms" else F.layer_norm(x.float(), (D,), eps=EPS)
-        return (n * (1 + s) + h).to(x.dtype)
-
-    return torch.compile(chain, backend="inductor", dynamic=False)
+    if norm == "rms":
+        return torch.compile(lambda x, s, h: eager_chain(x, None, s, h), dynamic=False)
+    return torch.compile(lambda x, s, h: chain(x, s, h, x.dtype), dynamic=False)
 
 
 def stage_small(tt, op, bwd, bw):
@@ -248,7 +248,7 @@ def stage_small(tt, op, bwd, bw):
             by_setting(tt, f"{name} {label_} max_threads", fn, sol, "max_threads", ("auto", 128, 256, 512))
         by_setting(tt, f"{name} fwd tail", fwd, sol_f, "tail", ("auto", 0))
         xg, sg, hg = (t.detach().clone().requires_grad_(True) for t in (x, s, h))
-        chain = inductor_chain(norm, D)
+        chain = inductor_chain(norm)
 
         def inductor_fwd_bwd():
             torch.autograd.grad(chain(xg, sg, hg), (xg, sg, hg), dy)
