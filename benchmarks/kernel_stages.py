@@ -227,7 +227,9 @@ def stage_small(tt, op, bwd, bw):
     """Small row counts (SMALL_SHAPES): the fused op's forward and backward with the kernels' own choices
     and with the register path (fwd_stages / bwd_stages 0), thread caps 128 / 256 / 512 and no short
     blocks after the wave (tail 0); then forward + backward of the op against Inductor's compiled chain
-    (GPU time by do_bench, so launch gaps are not in it)."""
+    (do_bench: the stream's time between events around each call, so where the host takes longer than the
+    kernels, as Inductor's compiled autograd at these sizes does, the launch gaps are in it). On the H200 with
+    torch 2.11, Inductor's chain failed at B = 1 (a [D] gradient for the [1, 1, D] scale): printed, not fatal."""
     ops = torch.ops.adaptiveload
     for B, N, D, norm, mdt in SMALL_SHAPES:
         x, s, h = per_sample(B, N, D, torch.bfloat16)
@@ -257,8 +259,13 @@ def stage_small(tt, op, bwd, bw):
             fwd()
             back()
 
-        inductor_fwd_bwd()  # (compiles)
-        ind, fus = median_ms(tt, inductor_fwd_bwd), median_ms(tt, fused_fwd_bwd)
+        fus = median_ms(tt, fused_fwd_bwd)
+        try:
+            inductor_fwd_bwd()  # (compiles)
+        except RuntimeError as e:
+            print(f"{name} fwd+bwd: fused op {fus:.4f} ms; Inductor's chain failed: {e}", flush=True)
+            continue
+        ind = median_ms(tt, inductor_fwd_bwd)
         print(f"{name} fwd+bwd: fused op {fus:.4f} ms ({100 * (sol_f + sol_b) / fus:.0f}% SoL), Inductor "
               f"{ind:.4f} ms ({100 * (sol_f + sol_b) / ind:.0f}%), fused / Inductor {fus / ind:.2f}", flush=True)
 

@@ -142,7 +142,7 @@ Segments segment_ids_view(const Tensor& ids, const Tensor& x, int64_t count) {
   s.ids = ids.data_ptr();
   s.ids64 = ids.scalar_type() == at::kLong;
   s.count = count;
-  s.consecutive = count > 1;  // (the forward; benchmarks/KERNEL_NOTES.md, "tiles of consecutive rows")
+  s.consecutive = true;  // (the forward; benchmarks/KERNEL_NOTES.md, "tiles of consecutive rows")
   return s;
 }
 
