@@ -78,13 +78,15 @@ __device__ __forceinline__ void cp_async_wait(int pending) {
 
 // A block's staging ring: S slots x NT row tensors x C groups of kResVec elements of T (kWords
 // 16-byte words each) a thread, laid out so that the threads of a warp touch consecutive words.
+// NT == 0: the tensor count is `tensors`, set at run time.
 template <typename T, int NT, int C>
 struct RowStage {
   static constexpr int kWords = kResVec * sizeof(T) / 16;
   uint4* base;
   int threads, tid;
+  int tensors = NT;
   __device__ __forceinline__ uint4* at(int slot, int t, int c, int w) const {
-    return base + (((slot * NT + t) * C + c) * kWords + w) * threads + tid;
+    return base + (((slot * (NT > 0 ? NT : tensors) + t) * C + c) * kWords + w) * threads + tid;
   }
   // Issue the copies of this thread's groups of `row` (tensor t, D elements) into `slot`.
   __device__ __forceinline__ void copy(int slot, int t, const T* row, int D) const {
@@ -100,9 +102,12 @@ struct RowStage {
   // This thread's groups of tensor t in `slot` (its copies waited for).
   __device__ __forceinline__ void read(int slot, int t, Raw<T, kResVec> (&dst)[C]) const {
 #pragma unroll
-    for (int c = 0; c < C; ++c)
+    for (int c = 0; c < C; ++c) read_chunk(slot, t, c, dst[c]);
+  }
+  // Its group c of tensor t in `slot` only.
+  __device__ __forceinline__ void read_chunk(int slot, int t, int c, Raw<T, kResVec>& dst) const {
 #pragma unroll
-      for (int w = 0; w < kWords; ++w) reinterpret_cast<uint4*>(&dst[c])[w] = *at(slot, t, c, w);
+    for (int w = 0; w < kWords; ++w) reinterpret_cast<uint4*>(&dst)[w] = *at(slot, t, c, w);
   }
 };
 // The bytes of one slot of a RowStage of `tensors` row tensors, `chunks` groups a thread, `threads`
@@ -135,6 +140,22 @@ struct ResFwdArgs {
   int stages = -1;
   Segments seg;  // the segmented layout (per-sample or shared gate / scale / shift only), or off
 };
+
+// The per-token modulation rows the staged forward copies through its ring after x and y (ring
+// tensors 2, 3, ... in this order): those in r's dtype `tr`; a per-token row of another dtype, and a
+// per-sample shift beside a per-token scale, are loaded at use.
+struct ResFwdStagedRows {
+  bool gate = false, scale = false, shift = false;
+  __host__ __device__ int count() const { return int{gate} + int{scale} + int{shift}; }
+};
+__host__ __device__ inline ResFwdStagedRows res_fwd_staged_rows(const ResFwdArgs& a, DType tr) {
+  auto per_token = [&](const ModView& m) { return m.ptr != nullptr && m.sn != 0 && m.t == tr; };
+  ResFwdStagedRows st;
+  st.gate = per_token(a.gate);
+  st.scale = per_token(a.scale);
+  st.shift = per_token(a.shift);
+  return st;
+}
 
 struct ResBwdArgs {
   const void* dout = nullptr;  // [B, N, D], dtype dot

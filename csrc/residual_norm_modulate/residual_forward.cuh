@@ -9,7 +9,8 @@
 // boundaries instead of every one. A per-sample or shared gate, scale and shift are read once per
 // block into per-column coefficients in shared memory:
 //     alpha = w * (1 + scale),  beta = b * (1 + scale) + shift,  g = gate (1 without a gate);
-// per-token rows are read with their row. Per row:
+// per-token rows are read with their row (through the staging ring where it runs and they have r's
+// dtype: res_fwd_staged_rows). Per row:
 //     r = round_Tr(x + g * y)          (fp32 multiply, then add: no FMA, as eager and Inductor round)
 //     mean, rstd of r as rounded (two block sums, fp32; RMSNorm: one, the mean of squares)
 //     out = (r - mean) * rstd * alpha + beta   (a per-token scale multiplies alpha and beta, a per-token
@@ -102,13 +103,34 @@ __device__ __forceinline__ void res_fwd_rows(const ResFwdArgs& a, int64_t tiles)
     IO::template load<VEC, C>(IO::at(a.y, a.yt, off), a.yt, D, T, tid, al, ys);
   };
   if constexpr (kPrefetch) load_xy(first, nx, ny);
-  // the staging ring (STG) after the coefficient rows: x in tensor 0, y in 1 of each slot
-  const RowStage<Tr, 2, C> stage{reinterpret_cast<uint4*>(coef_smem + 3 * arr), T, tid};
+  // the staging ring (STG) after the coefficient rows: x in tensor 0, y in 1 of each slot, then (PT)
+  // the per-token rows of r's dtype (res_fwd_staged_rows: gate, scale, shift in this order)
+  const ResFwdStagedRows st = PT && STG ? res_fwd_staged_rows(a, dtype_of<Tr>()) : ResFwdStagedRows{};
+  const int gi = 2, si = gi + st.gate, hi = si + st.scale;
+  const RowStage<Tr, PT ? 0 : 2, C> stage{reinterpret_cast<uint4*>(coef_smem + 3 * arr), T, tid, 2 + st.count()};
   const int S = STG ? a.stages : 1;
   auto stage_row = [&](int64_t k, int slot) {  // the block's k-th row
-    const int64_t o = (b * a.N + first + k * step) * static_cast<int64_t>(D);
+    const int64_t n = first + k * step, o = (b * a.N + n) * static_cast<int64_t>(D);
     stage.copy(slot, 0, static_cast<const Tr*>(a.x) + o, D);
     stage.copy(slot, 1, static_cast<const Tr*>(a.y) + o, D);
+    if constexpr (PT) {
+      if (st.gate) stage.copy(slot, gi, static_cast<const Tr*>(mod_row(a.gate, b, n)), D);
+      if (st.scale) stage.copy(slot, si, static_cast<const Tr*>(mod_row(a.scale, b, n)), D);
+      if (st.shift) stage.copy(slot, hi, static_cast<const Tr*>(mod_row(a.shift, b, n)), D);
+    }
+  };
+  // Group c of a per-token row: from ring tensor i of slot `cur` where staged, else loaded at use.
+  auto mod_chunk = [&](bool staged, int i, int cur, const ModView& m, int64_t n, int c, int col, float(&v)[VEC]) {
+    if constexpr (PT && STG) {
+      if (staged) {
+        Raw<Tr, VEC> raw;
+        stage.read_chunk(cur, i, c, raw);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[j] = to_f<Tr>(raw.v[j]);
+        return;
+      }
+    }
+    load_any_f<VEC>(mod_row(m, b, n), m.t, col, D, al, v);
   };
   if constexpr (STG) {
     for (int i = 0; i < S - 1; ++i) {
@@ -131,6 +153,7 @@ __device__ __forceinline__ void res_fwd_rows(const ResFwdArgs& a, int64_t tiles)
       }
     }
     RawIO cx[C], cy[C];
+    const int cur = slot;  // the k-th row's slot (STG), read after the slot index moves on
     if constexpr (STG) {
       // row k + S - 1 into the slot row k - 1 left (this thread read it in the previous iteration)
       if (k + S - 1 < count) stage_row(k + S - 1, slot == 0 ? S - 1 : slot - 1);
@@ -157,7 +180,7 @@ __device__ __forceinline__ void res_fwd_rows(const ResFwdArgs& a, int64_t tiles)
       IO::template to_f<VEC>(cx[c], a.xt, xf);
       IO::template to_f<VEC>(cy[c], a.yt, yf);
       gco.load(c, gf);
-      if (g_row && col < D) load_any_f<VEC>(mod_row(a.gate, b, n), a.gate.t, col, D, al, gf);
+      if (g_row && col < D) mod_chunk(st.gate, gi, cur, a.gate, n, c, col, gf);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) rv[c][j] = to_f<Tr>(from_f<Tr>(__fadd_rn(xf[j], __fmul_rn(gf[j], yf[j]))));
       if (col < D) store_f<Tr, VEC>(rrow, col, D, al, rv[c]);
@@ -196,8 +219,8 @@ __device__ __forceinline__ void res_fwd_rows(const ResFwdArgs& a, int64_t tiles)
       beta.load(c, bv);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) sv[j] = 0.f, hv[j] = 0.f;
-      if (s_row) load_any_f<VEC>(mod_row(a.scale, b, n), a.scale.t, col, D, al, sv);
-      if (h_row) load_any_f<VEC>(mod_row(a.shift, b, n), a.shift.t, col, D, al, hv);
+      if (s_row) mod_chunk(st.scale, si, cur, a.scale, n, c, col, sv);
+      if (h_row) mod_chunk(st.shift, hi, cur, a.shift, n, c, col, hv);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         float al_ = av[j], be_ = bv[j];
@@ -254,7 +277,9 @@ bool res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
   const RowShape rs = res_row_shape(a.D, a.max_threads);
   // x, y and out of r's dtype (the common case): their rows raw in Tr; else each in its own dtype
   const bool typed = a.xt == dtype_of<Tr>() && a.yt == dtype_of<Tr>() && a.ot == dtype_of<Tr>();
-  const size_t slot = res_stage_slot_bytes(2, rs.chunks, rs.threads, sizeof(Tr));  // x, y
+  // x, y and (per-token kernel) the per-token rows of r's dtype
+  const int staged_rows = 2 + (pt ? res_fwd_staged_rows(a, dtype_of<Tr>()).count() : 0);
+  const size_t slot = res_stage_slot_bytes(staged_rows, rs.chunks, rs.threads, sizeof(Tr));
   auto go = [&](auto kernel) {
     const size_t smem = res_fwd_smem(rs, a.stages, slot);
     int64_t tiles, rows_per_tile;  // (the interleaved order needs only the tile count)

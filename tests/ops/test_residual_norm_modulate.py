@@ -565,6 +565,34 @@ def test_kernels_row_staging_matches_loads_at_use(kernels, norm, dtype, gate_lay
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("norm", sorted(OPS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gate_layout, scale_layout, shift_layout, x_shape", [
+    ("per-token", "per-sample", "per-sample", (2, 300, 1536)),  # Wan 2.2's per-token timesteps: the gate only
+    ("strided-per-token", "strided-per-token", "strided-per-token", (1, 77, 3072)),  # all three, chunk views
+    ("per-token", "per-token", "per-sample", (2, 5, 1536)),  # a per-sample shift beside a per-token scale
+    ("per-sample", "per-sample", "strided-per-token", (1, 40, 5120)),  # two chunks a thread
+])
+def test_kernels_per_token_rows_of_r_dtype_through_the_forward_ring(kernels, norm, dtype, gate_layout, scale_layout,
+                                                                     shift_layout, x_shape):
+    """Per-token gate, scale and shift rows in r's dtype come through the forward's staging ring with x
+    and y (res_fwd_staged_rows): r, out and the statistics bit for bit as loading those rows at use
+    (stages 0) at 2, 3, 8 slots and the kernels' own choice, and against float64 at the own choice."""
+    v = make_inputs(norm, x_shape, dtype, gate_layout, "scale+shift", scale_layout, shift_layout, True, seed=6,
+                    device="cuda")
+    with _tuning.override(fwd_stages=0):
+        base = call(norm, v, dtype, dtype)
+    for stages in (2, 3, 8, "auto"):
+        with _tuning.override(fwd_stages=stages):
+            got = call(norm, v, dtype, dtype)
+        for i, (a, b) in enumerate(zip(base, got)):
+            if a is not None and a.numel():
+                assert torch.equal(a, b), f"stages {stages}: forward output {i} differs from loads at use"
+    check_against_float64(norm, x_shape, dtype, gate_layout, "scale+shift", scale_layout, shift_layout, True, seed=6,
+                          device="cuda")
+
+
+@pytest.mark.cuda
 def test_kernels_hand_bad_inputs_and_float64_to_the_python_path(kernels):
     """Through the C++ dispatcher kernels: a bad input raises the Python path's ValueError naming the
     tensor; float64 runs the reference (float64 statistics); the kernels still run afterwards."""
