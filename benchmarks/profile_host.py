@@ -1,8 +1,15 @@
-"""Host time of one forward+backward of the LayerNorm -> modulate chain, and where it goes.
+"""Host time of one forward+backward of a norm -> modulate chain, and where it goes.
 
-At B = 4, N = 4096, D = 1536 (bf16 x, per-sample fp32 modulation from a Linear, the Wan chain of
-benchmarks/bench_adaln.py) the GPU work of one call is ~0.1 ms, so a loop of calls with no
-synchronisation between them is bound by the host: wall time / calls is the host time of a call.
+Two chains (``--chain``):
+
+* ``wan`` (default): at B = 4, N = 4096, D = 1536, bf16 x, per-sample fp32 modulation from a Linear,
+  the Wan chain of benchmarks/bench_adaln.py (LayerNorm in fp32, cast back);
+* ``ltx``: LTX-Video's norm site, a weightless RMSNorm times ``1 + scale`` plus ``shift``, bf16
+  everywhere, scale and shift ``[B, 1, D]`` views of ``scale_shift_table + temb`` as the diffusers
+  model makes them (``--B 8 --N 384 --D 2048`` is its host-bound training shape).
+
+The GPU work of one call is ~0.1 ms or less, so a loop of calls with no synchronisation between them
+is bound by the host: wall time / calls is the host time of a call.
 Three implementations, alternated in one process (the order rotated every round):
 
 * ``inductor``: ``torch.compile(chain)``;
@@ -30,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import bench_adaln
 from results_file import run_context, write_json_and_markdown
@@ -37,8 +45,37 @@ from results_file import run_context, write_json_and_markdown
 IMPLS = ("inductor", "backend", "fused")
 
 
+def ltx_chain(x, temb, table):
+    """LTX-Video's norm site: scale and shift [B, 1, D] from ``table [2, D] + temb [B, 1, 2 * D]``
+    (unbound views, as diffusers' LTXVideoTransformerBlock makes them), a weightless RMSNorm, modulated."""
+    B, D = x.shape[0], x.shape[-1]
+    shift, scale = (table[None, None] + temb.reshape(B, 1, 2, D)).unbind(dim=2)
+    return F.rms_norm(x, (D,), None, bench_adaln.EPS) * (1 + scale) + shift
+
+
+def make_ltx_calls(args):
+    """{impl: call()} for the ``ltx`` chain; ``fused`` calls the op eagerly through its autograd."""
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    dev, dt = args.device, torch.bfloat16
+    x = torch.randn(args.B, args.N, args.D, device=dev, dtype=dt, generator=gen).requires_grad_()
+    dy = torch.randn(args.B, args.N, args.D, device=dev, dtype=dt, generator=gen)
+    temb = (0.1 * torch.randn(args.B, 1, 2 * args.D, device=dev, generator=gen)).to(dt).requires_grad_()
+    table = (0.1 * torch.randn(2, args.D, device=dev, generator=gen)).to(dt).requires_grad_()
+
+    def fused(x, temb, table):
+        B, D = x.shape[0], x.shape[-1]
+        shift, scale = (table[None, None] + temb.reshape(B, 1, 2, D)).unbind(dim=2)
+        return torch.ops.adaptiveload.rms_norm_modulate(x, None, scale, shift, bench_adaln.EPS, x.dtype)[0]
+
+    fns = {"inductor": torch.compile(ltx_chain, dynamic=False),
+           "backend": torch.compile(ltx_chain, backend="adaptiveload", dynamic=False), "fused": fused}
+    return {impl: (lambda fn=fns[impl]: fn(x, temb, table).backward(dy)) for impl in IMPLS}
+
+
 def make_calls(args):
     """{impl: call()} each running one forward+backward on the same inputs."""
+    if args.chain == "ltx":
+        return make_ltx_calls(args)
     gen = torch.Generator(device=args.device).manual_seed(0)
     dev = args.device
     mdt = torch.float32
@@ -92,6 +129,7 @@ def profile(call, n: int, device: str) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--chain", default="wan", choices=("wan", "ltx"))
     p.add_argument("--B", type=int, default=4)
     p.add_argument("--N", type=int, default=4096)
     p.add_argument("--D", type=int, default=1536)
@@ -131,9 +169,12 @@ def main(argv=None) -> None:
 
     ctx = run_context(__file__, argv)
     ctx["gpu"] = torch.cuda.get_device_name() if args.device == "cuda" else None
-    doc = {"context": ctx, "shape": {"B": args.B, "N": args.N, "D": args.D, "x": "bf16", "modulation": "fp32 per-sample"},
+    modulation = "fp32 per-sample" if args.chain == "wan" else "bf16 per-sample (table + temb views)"
+    doc = {"context": ctx, "chain": args.chain,
+           "shape": {"B": args.B, "N": args.N, "D": args.D, "x": "bf16", "modulation": modulation},
            "rounds": args.rounds, "calls": args.calls, "impls": rows}
-    lines = [f"## Host time of one forward+backward (B = {args.B}, N = {args.N}, D = {args.D}, bf16, Wan chain)", "",
+    chain_name = "Wan chain" if args.chain == "wan" else "LTX-Video chain (RMSNorm)"
+    lines = [f"## Host time of one forward+backward (B = {args.B}, N = {args.N}, D = {args.D}, bf16, {chain_name})", "",
              f"`{ctx['command']}` -- {ctx['date']}, {ctx['gpu'] or 'CPU'}, torch {ctx['torch']}; "
              f"{args.rounds} rounds of {args.calls} calls, implementations alternated.", "",
              "| impl | wall µs/call (median) | min | max | thread CPU µs/call | vs Inductor |", "|---|---|---|---|---|---|"]
