@@ -53,7 +53,7 @@ struct Segments {
   const void* ids = nullptr;  // int32 or int64 [T]; nullptr: the [B, N, D] layout
   bool ids64 = false;
   // Forward only: the wave's blocks take tiles of consecutive rows instead of the interleaved rows
-  // (packs of several segments: with non-decreasing ids a block then crosses one or two segment
+  // (packs, set in segment_ids_view: with non-decreasing ids a block then crosses one or two segment
   // boundaries, not every one).
   bool consecutive = false;
   const int64_t* start = nullptr;

@@ -21,9 +21,10 @@
 // the ring's slot is released after it.
 //
 // Segmented layout (FwdArgs::seg: a pack, B = 1): the rows' segments are read with the rows, and a
-// thread recomputes its coefficients where the segment changes. With several segments the wave's
-// blocks take tiles of consecutive rows (Segments::consecutive), so that with non-decreasing ids a block
-// crosses one or two segment boundaries instead of every one.
+// thread recomputes its coefficients where the segment changes. The wave's blocks take tiles of
+// consecutive rows (Segments::consecutive, set for every segmented call), so that with non-decreasing
+// ids a block crosses one or two segment boundaries instead of every one (measured faster than the
+// interleaved order at 1, 12 and 42 segments: benchmarks/KERNEL_NOTES.md).
 //
 // RING (sm_90; aligned rows): rows come through a ring of a.stages slots in shared memory instead
 // of the register prefetch, filled by bulk copies that thread 0 issues a.stages rows ahead; the
@@ -62,7 +63,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(const FwdArgs a, int64
   int64_t step = tail ? 1 : tiles;
   int64_t count = tail ? min(static_cast<int64_t>(a.tail_rows), a.N - first)
                        : (t < a.main_rows ? (a.main_rows - 1 - t) / tiles + 1 : 0);
-  if constexpr (SEG) {  // a pack of several segments: the wave's blocks take consecutive rows (Segments::consecutive)
+  if constexpr (SEG) {  // a pack: the wave's blocks take consecutive rows (Segments::consecutive)
     if (!tail && a.seg.consecutive) {
       const int64_t rows = (a.main_rows + tiles - 1) / tiles;
       first = t * rows;

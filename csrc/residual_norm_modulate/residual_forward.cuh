@@ -4,9 +4,8 @@
 //
 // Grid: B * tiles blocks, one wave (blocks per SM from the occupancy calculator); block i of a
 // sample takes rows i, i + tiles, i + 2 tiles, ... (the interleaved order of the norm -> modulate
-// forward, without its short blocks after the wave); in a pack of several segments
-// (Segments::consecutive), a tile of consecutive rows, so that a block crosses one or two segment
-// boundaries instead of every one. A per-sample or shared gate, scale and shift are read once per
+// forward, without its short blocks after the wave); in a pack (Segments::consecutive), a tile of
+// consecutive rows, so that a block crosses one or two segment boundaries instead of every one. A per-sample or shared gate, scale and shift are read once per
 // block into per-column coefficients in shared memory:
 //     alpha = w * (1 + scale),  beta = b * (1 + scale) + shift,  g = gate (1 without a gate);
 // per-token rows are read with their row (through the staging ring where it runs and they have r's
@@ -43,8 +42,8 @@ __device__ __forceinline__ void res_fwd_rows(const ResFwdArgs& a, int64_t tiles)
   int parity = 0;
   const int64_t b = blockIdx.x / tiles, t = blockIdx.x % tiles;
   if (t >= a.N) return;  // whole block: no barrier is skipped by part of it
-  // the block's k-th row is first + k * step: interleaved, or (a pack of several segments,
-  // Segments::consecutive) a tile of consecutive rows
+  // the block's k-th row is first + k * step: interleaved, or (a pack, Segments::consecutive) a tile
+  // of consecutive rows
   int64_t first = t, step = tiles, count = (a.N - 1 - t) / tiles + 1;
   if constexpr (SEG) {
     if (a.seg.consecutive) {
