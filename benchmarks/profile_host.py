@@ -45,12 +45,17 @@ from results_file import run_context, write_json_and_markdown
 IMPLS = ("inductor", "backend", "fused")
 
 
-def ltx_chain(x, temb, table):
-    """LTX-Video's norm site: scale and shift [B, 1, D] from ``table [2, D] + temb [B, 1, 2 * D]``
-    (unbound views, as diffusers' LTXVideoTransformerBlock makes them), a weightless RMSNorm, modulated."""
+def ltx_modulation(x, temb, table):
+    """(shift, scale) [B, 1, D] from ``table [2, D] + temb [B, 1, 2 * D]``: unbound views, as diffusers'
+    LTXVideoTransformerBlock makes them."""
     B, D = x.shape[0], x.shape[-1]
-    shift, scale = (table[None, None] + temb.reshape(B, 1, 2, D)).unbind(dim=2)
-    return F.rms_norm(x, (D,), None, bench_adaln.EPS) * (1 + scale) + shift
+    return (table[None, None] + temb.reshape(B, 1, 2, D)).unbind(dim=2)
+
+
+def ltx_chain(x, temb, table):
+    """LTX-Video's norm site: a weightless RMSNorm, modulated by ltx_modulation's scale and shift."""
+    shift, scale = ltx_modulation(x, temb, table)
+    return F.rms_norm(x, (x.shape[-1],), None, bench_adaln.EPS) * (1 + scale) + shift
 
 
 def make_ltx_calls(args):
@@ -63,8 +68,7 @@ def make_ltx_calls(args):
     table = (0.1 * torch.randn(2, args.D, device=dev, generator=gen)).to(dt).requires_grad_()
 
     def fused(x, temb, table):
-        B, D = x.shape[0], x.shape[-1]
-        shift, scale = (table[None, None] + temb.reshape(B, 1, 2, D)).unbind(dim=2)
+        shift, scale = ltx_modulation(x, temb, table)
         return torch.ops.adaptiveload.rms_norm_modulate(x, None, scale, shift, bench_adaln.EPS, x.dtype)[0]
 
     fns = {"inductor": torch.compile(ltx_chain, dynamic=False),

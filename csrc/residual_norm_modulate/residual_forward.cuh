@@ -5,8 +5,9 @@
 // Grid: B * tiles blocks, one wave (blocks per SM from the occupancy calculator); block i of a
 // sample takes rows i, i + tiles, i + 2 tiles, ... (the interleaved order of the norm -> modulate
 // forward, without its short blocks after the wave); in a pack (Segments::consecutive), a tile of
-// consecutive rows, so that a block crosses one or two segment boundaries instead of every one. A per-sample or shared gate, scale and shift are read once per
-// block into per-column coefficients in shared memory:
+// consecutive rows, so that a block crosses one or two segment boundaries instead of every one. A
+// per-sample or shared gate, scale and shift are read once per block into per-column coefficients in
+// shared memory:
 //     alpha = w * (1 + scale),  beta = b * (1 + scale) + shift,  g = gate (1 without a gate);
 // per-token rows are read with their row (through the staging ring where it runs and they have r's
 // dtype: res_fwd_staged_rows). Per row:

@@ -568,7 +568,7 @@ def test_kernels_row_staging_matches_loads_at_use(kernels, norm, dtype, gate_lay
 @pytest.mark.parametrize("norm", sorted(OPS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("gate_layout, scale_layout, shift_layout, x_shape", [
-    ("per-token", "per-sample", "per-sample", (2, 300, 1536)),  # Wan 2.2's per-token timesteps: the gate only
+    ("per-token", "per-sample", "per-sample", (2, 300, 1536)),  # the gate only (bench_residual's per-token-gate)
     ("strided-per-token", "strided-per-token", "strided-per-token", (1, 77, 3072)),  # all three, chunk views
     ("per-token", "per-token", "per-sample", (2, 5, 1536)),  # a per-sample shift beside a per-token scale
     ("per-sample", "per-sample", "strided-per-token", (1, 40, 5120)),  # two chunks a thread
