@@ -1,5 +1,5 @@
 """Op-only timings of the fused LayerNorm -> modulate kernels (adaln_modulate), one GPU: the `sweep`, `ring`, `wide`,
-`store`, `tail`, `ab` and `host` stages of benchmarks/gpu_session.sh (which writes each stage's output to
+`store`, `tail`, `ab`, `host` and `calls` stages of benchmarks/gpu_session.sh (which writes each stage's output to
 $OUT/<stage>.log). The kernels choose every launch setting themselves; the stages that compare settings force them
 with the private adaptiveload.ops._tuning.override (its keywords in parentheses below).
 
@@ -22,6 +22,12 @@ with the private adaptiveload.ops._tuning.override (its keywords in parentheses 
          per-sample modulation) by ring slots (0: the register path), thread cap and short blocks, and
          forward + backward against Inductor's compiled chain
   host   host time of one forward+backward call per implementation (bench_adaln.host_time_us)
+  calls  host time (µs) of one direct call of each op's forward and backward, calls issued with no sync
+         between them (the C++ dispatcher path, no autograd): rms_norm_modulate at LTX-Video's (8, 384,
+         2048) bf16 site (scale and shift [8, 1, 2048] views of table + temb), adaln_modulate and the gated
+         residual_adaln_modulate at the same shape with Wan's fp32 per-sample .chunk() modulation; median
+         and min over 9 rounds of 1000 calls. Forces nothing: with gpu_session.sh ab (AB_STAGE=calls) it
+         compares the host path of two builds
   ab     forward and backward at the rows of bench_adaln.py's long preset (N = 65536, D = 1536 / 3072 /
          5120; per-sample bf16 x with fp32 or bf16 modulation at B = 1 / 2, per-token bf16 at B = 1),
          the kernels' own choices, one line a shape: run once for each of two builds, in turn
@@ -29,7 +35,7 @@ with the private adaptiveload.ops._tuning.override (its keywords in parentheses 
 
 Times are triton.testing.do_bench medians (ms) and fractions of speed-of-light: bytes that must move
 (per-sample forward 2, backward 3 x-sized tensors; per-token 4 and 6) / measured copy bandwidth.
-Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,ab,store,tail,small,host}
+Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,ab,store,tail,small,host,calls}
 """
 from __future__ import annotations
 
@@ -270,13 +276,65 @@ def stage_small(tt, op, bwd, bw):
               f"{ind:.4f} ms ({100 * (sol_f + sol_b) / ind:.0f}%), fused / Inductor {fus / ind:.2f}", flush=True)
 
 
+def op_calls_host_us(rounds: int = 9, calls: int = 1000) -> dict:
+    """{call: (median, min) host µs} of the calls stage (see the module doc)."""
+    import statistics
+    import time
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    B, N, D, bf = 8, 384, 2048, torch.bfloat16
+
+    def randn(*shape, dtype=bf):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+    x, y, dy, temb, table = randn(B, N, D), randn(B, N, D), randn(B, N, D), randn(B, 1, 2 * D), randn(2, D)
+    shift, scale = (table[None, None] + temb.reshape(B, 1, 2, D)).unbind(dim=2)  # LTX-Video's views
+    chunks = [c.unsqueeze(1) for c in randn(B, 6 * D, dtype=torch.float32).chunk(6, dim=-1)]  # Wan's
+    ops = torch.ops.adaptiveload
+    with torch.no_grad():
+        _, rstd = ops.rms_norm_modulate(x, None, scale, shift, EPS, bf)
+        _, mean1, rstd1 = ops.adaln_modulate(x, None, None, chunks[0], chunks[1], EPS, bf)
+        r, _, mean2, rstd2 = ops.residual_adaln_modulate(x, y, chunks[2], None, None, chunks[3], chunks[4], EPS, bf,
+                                                         bf)
+    cases = {
+        "torch.empty_like (for scale)": lambda: torch.empty_like(x),
+        "rms_norm_modulate": lambda: ops.rms_norm_modulate(x, None, scale, shift, EPS, bf),
+        "rms_norm_modulate_backward": lambda: ops.rms_norm_modulate_backward(dy, x, None, scale, shift, rstd),
+        "adaln_modulate": lambda: ops.adaln_modulate(x, None, None, chunks[0], chunks[1], EPS, bf),
+        "adaln_modulate_backward": lambda: ops.adaln_modulate_backward(dy, x, None, None, chunks[0], chunks[1], mean1,
+                                                                       rstd1),
+        "residual_adaln_modulate": lambda: ops.residual_adaln_modulate(x, y, chunks[2], None, None, chunks[3],
+                                                                       chunks[4], EPS, bf, bf),
+        "residual_adaln_modulate_backward": lambda: ops.residual_adaln_modulate_backward(
+            dy, dy, r, y, chunks[2], None, None, chunks[3], chunks[4], mean2, rstd2, bf),
+    }
+
+    def per_call_us(fn, n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()  # (before the sync: host time only)
+        torch.cuda.synchronize()
+        return (t1 - t0) / n * 1e6
+
+    times = {name: [] for name in cases}
+    with torch.no_grad():
+        for fn in cases.values():
+            per_call_us(fn, 50)  # warm-up
+        for _ in range(rounds):
+            for name, fn in cases.items():
+                times[name].append(per_call_us(fn, calls))
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
+
+
 STAGES = {"sweep": stage_sweep, "ring": stage_ring, "wide": stage_wide, "ab": stage_ab, "store": stage_store,
           "tail": stage_tail, "small": stage_small}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=(*STAGES, "host"))
+    parser.add_argument("stage", choices=(*STAGES, "host", "calls"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_stages: needs a CUDA GPU", file=sys.stderr)
@@ -286,6 +344,11 @@ def main(argv=None) -> int:
     if args.stage == "host":
         us = host_time_us(torch.Generator(device="cuda").manual_seed(0))
         print("host us per fwd+bwd call (B=1 N=16 D=1536): " + ", ".join(f"{k} {v:.0f}" for k, v in us.items()))
+        return 0
+    if args.stage == "calls":
+        print(f"package: {os.path.dirname(adaptiveload.__file__)}", flush=True)
+        for name, (median, low) in op_calls_host_us().items():
+            print(f"{name:34s} host µs/call median {median:7.2f}  min {low:7.2f}", flush=True)
         return 0
     import triton.testing as tt
 

@@ -58,15 +58,17 @@ bool launch_forward(const FwdArgs& a, cudaStream_t stream) {
 using at::Tensor;
 using c10::optional;
 
-DType to_dtype(const Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
+DType to_dtype(at::ScalarType t, const char* name) {
+  switch (t) {
     case at::kFloat: return DType::F32;
     case at::kBFloat16: return DType::BF16;
     case at::kHalf: return DType::F16;
-    default: TORCH_CHECK(false, "norm_modulate kernels: ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+    default: TORCH_CHECK(false, "norm_modulate kernels: ", name, " must be float32, bfloat16 or float16, got ", t);
   }
   return DType::F32;
 }
+
+DType to_dtype(const Tensor& t, const char* name) { return to_dtype(t.scalar_type(), name); }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -92,26 +94,6 @@ const float* affine_ptr(const optional<Tensor>& t, const Tensor& x, const char* 
   TORCH_CHECK(v.dim() == 1 && v.size(0) == x.size(2) && v.is_contiguous(), "norm_modulate kernels: ", name,
               " must be a contiguous [", x.size(2), "] tensor, got shape ", v.sizes(), " strides ", v.strides());
   return v.data_ptr<float>();
-}
-
-// Modulation: [Bm, Nm, D] with Bm in {1, B}, Nm in {1, N}, unit stride along D.
-ModView mod_view(const Tensor& m, const Tensor& x, const char* name) {
-  check_same_device(m, x, name);
-  TORCH_CHECK(m.dim() == 3, "norm_modulate kernels: ", name, " must be viewed as [B or 1, N or 1, D], got shape ", m.sizes());
-  const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
-  TORCH_CHECK(m.size(2) == D, "norm_modulate kernels: ", name, " has ", m.size(2), " features, x has ", D, " (shape ",
-              m.sizes(), ")");
-  TORCH_CHECK(m.size(0) == 1 || m.size(0) == B, "norm_modulate kernels: ", name, " batch must be 1 or ", B, ", got shape ",
-              m.sizes());
-  TORCH_CHECK(m.size(1) == 1 || m.size(1) == N, "norm_modulate kernels: ", name, " tokens must be 1 or ", N,
-              ", got shape ", m.sizes());
-  TORCH_CHECK(m.stride(2) == 1 || D == 1, "norm_modulate kernels: ", name, " must have unit stride along D, got strides ",
-              m.strides());
-  ModView v;
-  v.ptr = m.data_ptr();
-  v.sb = m.size(0) == 1 ? 0 : m.stride(0);
-  v.sn = m.size(1) == 1 ? 0 : m.stride(1);
-  return v;
 }
 
 bool mod_aligned(const ModView& v, int64_t esize) {
@@ -194,11 +176,6 @@ Tensor segment_start_rows(const Tensor& ids, Segments& s) {
   return starts;
 }
 
-void check_mod_dtype(const Tensor& m, const Tensor& x, const char* name) {
-  TORCH_CHECK(m.scalar_type() == x.scalar_type() || m.scalar_type() == at::kFloat, "norm_modulate kernels: ", name,
-              " must be float32 or x's dtype ", x.scalar_type(), ", got ", m.scalar_type());
-}
-
 std::mutex tuning_mutex;
 Tuning tuning_set;                    // guarded by tuning_mutex
 std::atomic<bool> tuning_on{false};  // tuning_set differs from the defaults
@@ -246,164 +223,14 @@ std::string set_tuning(int64_t max_threads, int64_t fwd_stages, int64_t bwd_stag
   return "";
 }
 
-// What the forward and the backward launchers share of their kernel arguments (FwdArgs, BwdArgs),
-// from x viewed as [B, N, D] and its parameters, checked here: the dtypes, the norm, the pointers,
-// the sizes, the block-shape cap and ring slots, and `aligned` as far as these tensors go (the
-// caller adds its own).
-// Segmented layout (`seg`: the segment of each row of x [1, T, D], int32 or int64 [T]): scale and shift
-// are [segments, D] rows (seg_view), read through a.seg.
-template <typename Args>
-void fill_rows(Args& a, Norm norm, const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
-               const Tensor& scale, const optional<Tensor>& shift, int max_threads, int stages,
-               const optional<Tensor>& seg = c10::nullopt) {
-  check_x(x, "x");
-  const int64_t D = x.size(2);
-  a.xt = to_dtype(x, "x");
-  TORCH_CHECK(D <= max_features(a.xt), "norm_modulate kernels: D = ", D, " exceeds the kernel's ", max_features(a.xt),
-              " features for ", x.scalar_type());
-  check_mod_dtype(scale, x, "scale");
-  a.mt = to_dtype(scale, "scale");
-  if (shift.has_value())
-    TORCH_CHECK(shift->scalar_type() == scale.scalar_type(), "norm_modulate kernels: shift dtype ", shift->scalar_type(),
-                " must equal scale dtype ", scale.scalar_type());
-  a.norm = norm;
-  a.x = x.data_ptr();
-  a.weight = affine_ptr(weight, x, "weight");
-  a.bias = affine_ptr(bias, x, "bias");
-  a.scale = seg.has_value() ? seg_view(scale, x, "scale") : mod_view(scale, x, "scale");
-  if (shift.has_value()) a.shift = seg.has_value() ? seg_view(*shift, x, "shift") : mod_view(*shift, x, "shift");
-  if (seg.has_value()) {
-    a.seg = segment_ids_view(*seg, x, scale.size(0));
-  }
-  a.B = x.size(0);
-  a.N = x.size(1);
-  a.D = static_cast<int>(D);
-  a.max_threads = max_threads;
-  a.stages = stages;
-  const int64_t vec = a.xt == DType::F32 ? 4 : 8;
-  a.aligned = D % vec == 0 && aligned16(a.x) && (!a.weight || aligned16(a.weight)) && (!a.bias || aligned16(a.bias)) &&
-              mod_aligned(a.scale, scale.element_size()) && mod_aligned(a.shift, scale.element_size());
-}
-
-// {y, mean (undefined for RMSNorm), rstd} of x viewed as [B, N, D]
-// (segmented layout: x [1, T, D], scale and shift [segments, D], seg the ids, checked on the device;
-// {} where its kernel cannot run: the caller's composite path then serves the call)
-std::vector<Tensor> forward_rows(Norm norm, const Tensor& x, const optional<Tensor>& weight,
-                                 const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                                 double eps, bool out_fp32, const optional<Tensor>& seg = c10::nullopt) {
-  const Tuning t = tuning();
-  FwdArgs a;
-  fill_rows(a, norm, x, weight, bias, scale, shift, t.max_threads, t.fwd_stages, seg);
-  c10::cuda::CUDAGuard guard(x.device());
-  if (seg.has_value()) segment_starts(*seg, scale.size(0), nullptr);
-  auto out = at::empty({a.B, a.N, a.D}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
-  Tensor mean = norm == Norm::RMS ? Tensor() : at::empty({a.B, a.N}, x.options().dtype(at::kFloat));
-  auto rstd = at::empty({a.B, a.N}, x.options().dtype(at::kFloat));
-  a.ot = out_fp32 ? DType::F32 : a.xt;
-  a.y = out.data_ptr();
-  a.mean = mean.defined() ? mean.data_ptr<float>() : nullptr;
-  a.rstd = rstd.data_ptr<float>();
-  a.eps = static_cast<float>(eps);
-  a.store = t.store;
-  a.tail_pct = t.tail_pct;
-  a.tail_rows = t.tail_rows;
-  a.aligned = a.aligned && aligned16(a.y);
-  const bool launched = launch_forward(a, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (!launched) return {};  // (segmented layout: see the caller)
-  return {out, mean, rstd};
-}
-
-// {dx, dscale, dshift, dweight, dbias} of x viewed as [B, N, D]; mean: none for RMSNorm.
-//   dscale: [B, N, D] in the modulation's dtype when scale is per-token (Nm == N > 1), else [B, D]
-//           per-sample sums in the modulation's dtype, or fp32 when scale is shared over B > 1 (the
-//           caller sums over B);
-//   dshift: likewise, or empty without shift; dweight, dbias: fp32 [D], or empty when absent.
-// Segmented layout (seg given; x [1, T, D]): dscale and dshift [segments, D] in the modulation's
-// dtype; returns {} (the caller's composite path then serves the call) where its kernel, the
-// one-pass ring kernel, cannot run.
-std::vector<Tensor> backward_rows(Norm norm, const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
-                                  const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                                  const optional<Tensor>& mean, const Tensor& rstd,
-                                  const optional<Tensor>& seg = c10::nullopt) {
-  const Tuning t = tuning();
-  BwdArgs a;
-  fill_rows(a, norm, x, weight, bias, scale, shift, t.max_threads, t.bwd_stages, seg);
-  const int64_t B = a.B, N = a.N, D = a.D;
-  check_x(dy, "dy");
-  TORCH_CHECK(dy.sizes() == x.sizes(), "norm_modulate kernels (backward): dy shape ", dy.sizes(), " must equal x shape ",
-              x.sizes());
-  check_same_device(dy, x, "dy");
-  a.dyt = to_dtype(dy, "dy");
-  TORCH_CHECK(dy.scalar_type() == x.scalar_type() || dy.scalar_type() == at::kFloat,
-              "norm_modulate kernels (backward): dy must be float32 or x's dtype ", x.scalar_type(), ", got ",
-              dy.scalar_type());
-  TORCH_CHECK(mean.has_value() == (norm == Norm::Layer), "norm_modulate kernels (backward): mean is ",
-              norm == Norm::Layer ? "required" : "not taken", " for this norm");
-  for (const Tensor* s : {mean.has_value() ? &*mean : nullptr, &rstd}) {
-    if (s == nullptr) continue;
-    const char* name = s == &rstd ? "rstd" : "mean";
-    check_same_device(*s, x, name);
-    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->numel() == B * N,
-                "norm_modulate kernels (backward): ", name, " must be contiguous float32 with ", B * N,
-                " elements (one per row), got shape ", s->sizes(), " dtype ", s->scalar_type());
-  }
-  c10::cuda::CUDAGuard guard(x.device());
-  a.dy = dy.data_ptr();
-  a.mean = mean.has_value() ? mean->data_ptr<float>() : nullptr;
-  a.rstd = rstd.data_ptr<float>();
-  a.two_kernel = t.two_kernel;
-
-  auto f32 = x.options().dtype(at::kFloat);
-  auto dx = at::empty_like(x);
-  a.dx = dx.data_ptr();
-  const bool scale_pt = a.scale.sn != 0;
-  const bool shift_pt = shift.has_value() && a.shift.sn != 0;
-  const int64_t rows = seg.has_value() ? scale.size(0) : B;  // modulation rows: samples or segments
-  // The reduced rows are the gradient itself (per-sample or per-segment; a modulation shared over a
-  // batch is summed over it afterwards, in float32): written in the modulation's dtype, no cast after.
-  // (Segmented: x is one sequence, [1, T, D].)
-  auto final_rows = [&](const Tensor& m, bool pt) { return pt || !summed_over_batch(m, x); };
-  const bool in_mt = final_rows(scale, scale_pt) && (!shift.has_value() || final_rows(*shift, shift_pt));
-  a.rows_t = in_mt ? a.mt : DType::F32;
-  const auto row_options = in_mt ? scale.options() : f32;
-  Tensor dscale = scale_pt ? at::empty({B, N, D}, scale.options()) : at::empty({rows, D}, row_options);
-  Tensor dshift = !shift.has_value() ? at::empty({0}, f32)
-                  : shift_pt         ? at::empty({B, N, D}, shift->options())
-                                     : at::empty({rows, D}, row_options);
-  Tensor dweight = weight.has_value() ? at::empty({D}, f32) : at::empty({0}, f32);
-  Tensor dbias = bias.has_value() ? at::empty({D}, f32) : at::empty({0}, f32);
-  if (scale_pt) a.dscale_el = dscale.data_ptr();
-  else a.dscale_rows = dscale.data_ptr();
-  if (shift_pt) a.dshift_el = dshift.data_ptr();
-  else if (shift.has_value()) a.dshift_rows = dshift.data_ptr();
-  if (weight.has_value()) a.dweight = dweight.data_ptr<float>();
-  if (bias.has_value()) a.dbias = dbias.data_ptr<float>();
-
-  a.aligned = a.aligned && aligned16(a.dy) && aligned16(a.dx) && (!a.dscale_el || aligned16(a.dscale_el)) &&
-              (!a.dshift_el || aligned16(a.dshift_el));
-  backward_plan(a);  // after the alignment: the ring (a.stages) needs aligned rows
-  Tensor starts;
-  if (seg.has_value()) {
-    if (a.stages == 0 || a.two_kernel) return {};  // (the ring kernel only)
-    starts = segment_start_rows(*seg, a.seg);
-  }
-  a.pieces = seg.has_value() ? a.tiles + a.seg.count : a.tiles * B;  // (the workspace: piece_of)
-  // the planes, then the reduction groups' totals partials (norm_modulate.cuh: reduce_groups)
-  const int64_t totals = totals_floats(a);
-  auto ws = at::empty({3 * a.pieces * D + totals}, f32);
-  a.ws = ws.data_ptr<float>();
-  if (totals > 0) a.totals = a.ws + 3 * a.pieces * D;
-  a.aligned = a.aligned && aligned16(a.ws);
-  launch_backward(a, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {dx, dscale, dshift, dweight, dbias};
-}
-
 // ---------------------------------------------------------------------------------------------
-// The op's CUDA body: its arguments as the public op receives them (validated by the Python layer,
-// adaln_modulate.check_inputs / check_backward_inputs), turned into the [B, N, D] row views above. Done here rather than in
-// Python because each Python tensor call costs host time on every launch.
+// The ops' CUDA bodies: their arguments as the public ops receive them (validated by the dispatcher
+// kernels' fast checks or the Python layer), turned into the kernels' [B, N, D] row views. Done here
+// rather than in Python because each tensor call costs host time on every launch; for the same
+// reason a call makes no tensor it does not return or launch with: the modulation is read in place
+// through its own strides, outputs are allocated in their final shapes and dtypes wherever the
+// kernels write them as such, and an absent input's gradient is left undefined (the callers turn it
+// into the [0] tensor the schemas return, only where they return one).
 
 // The size of modulation `t` at x's dim i, t broadcast against x (right-aligned): 1 where t has
 // no such dim. Sizes only, so the launch path creates no tensor to answer it.
@@ -437,30 +264,306 @@ at::ScalarType mod_dtype(const Tensor& x, const Tensor& scale, const optional<Te
   return st;
 }
 
+// modulation_layout(t.shape, x.shape) in adaptiveload/ops/common.py: per-sample, per-token or shared
+bool layout_ok(const Tensor& t, const Tensor& x) {
+  const int64_t xd = x.dim(), td = t.dim();
+  if (td == 0 || td > xd || t.size(-1) != x.size(-1)) return false;
+  const int64_t off = xd - td;
+  auto padded = [&](int64_t i) { return i < off ? int64_t{1} : t.size(i - off); };
+  if (padded(0) != 1 && padded(0) != x.size(0)) return false;
+  bool ones = true, same = true;
+  for (int64_t i = 1; i + 1 < xd; ++i) {
+    ones = ones && padded(i) == 1;
+    same = same && padded(i) == x.size(i);
+  }
+  return ones || same;
+}
+
+namespace {
 // Modulation `t` as a [B or 1, N or 1, D] view of x viewed as [B, N, D] in dtype `dt`: no copy unless
-// the token dims of a per-token modulation do not collapse to one stride or D is not unit-stride.
+// the token dims of a per-token modulation do not collapse to one stride, D is not unit-stride, or the
+// tokens are an expanded (stride 0) view of one row, whose gradient is still per token.
 Tensor modulation_rows(const Tensor& t, const Tensor& x, at::ScalarType dt) {
   const int64_t D = x.size(-1);
   const Tensor rows =
       t.to(dt).reshape({bcast_size(t, x, 0), per_token(t, x) ? x.numel() / (x.size(0) * D) : 1, D});
-  return D == 1 || rows.stride(-1) == 1 ? rows : rows.contiguous();
+  return (D == 1 || rows.stride(-1) == 1) && (rows.size(1) == 1 || rows.stride(1) != 0) ? rows : rows.contiguous();
 }
 
-// Scale and shift as the kernels read them: modulation_rows of each, in mod_dtype.
-std::pair<Tensor, optional<Tensor>> scale_shift_rows(const Tensor& x, const Tensor& scale,
-                                                     const optional<Tensor>& shift) {
-  const at::ScalarType mt = mod_dtype(x, scale, shift);
-  optional<Tensor> shift_rows;
-  if (shift.has_value()) shift_rows = modulation_rows(*shift, x, mt);
-  return {modulation_rows(scale, x, mt), shift_rows};
+// The batch and token strides of modulation t broadcast against x, read from t itself (v.sb, v.sn):
+// false where D is not unit-stride or t's token dims of size > 1 do not collapse to one stride (or are
+// expanded, stride 0: see modulation_rows).
+bool strides_in_place(const Tensor& t, const Tensor& x, ModView& v) {
+  if (t.size(-1) != 1 && t.stride(-1) != 1) return false;
+  const int64_t off = x.dim() - t.dim();  // x's leading dims that t lacks
+  v.sb = off == 0 && t.size(0) != 1 ? t.stride(0) : 0;
+  v.sn = 0;
+  int64_t outer = -1;  // the stride the next outer token dim of size > 1 must have
+  for (int64_t j = t.dim() - 2; j >= (off == 0 ? 1 : 0); --j) {  // t's token dims, innermost first
+    if (t.size(j) == 1) continue;
+    if (t.stride(j) == 0) return false;
+    if (outer < 0) v.sn = t.stride(j);
+    else if (t.stride(j) != outer) return false;
+    outer = t.stride(j) * t.size(j);
+  }
+  return true;
 }
+}  // namespace
+
+ModView mod_rows(const Tensor& t, const Tensor& x, at::ScalarType dt, const char* name, Tensor& keep) {
+  check_same_device(t, x, name);
+  TORCH_CHECK(layout_ok(t, x), "norm_modulate kernels: ", name, " of shape ", t.sizes(),
+              " is not a modulation layout (per-sample, per-token or shared) of x of shape ", x.sizes());
+  ModView v;
+  if (t.scalar_type() == dt && strides_in_place(t, x, v)) {
+    v.ptr = t.data_ptr();
+  } else {
+    keep = modulation_rows(t, x, dt);
+    v.ptr = keep.data_ptr();
+    v.sb = keep.size(0) == 1 ? 0 : keep.stride(0);
+    v.sn = keep.size(1) == 1 ? 0 : keep.stride(1);
+  }
+  v.t = to_dtype(dt, name);
+  return v;
+}
+
+namespace {
+// Scale and shift as the norm -> modulate kernels read them, in one dtype (mod_dtype; the segmented
+// layout: [segments, D] rows, in their dtype when they agree and it is x's or float32, else float32),
+// with any copy kept alive until the launch.
+struct ScaleShift {
+  ModView scale, shift;  // shift.ptr: nullptr when absent
+  at::ScalarType dtype = at::kFloat;
+  int64_t segments = 0;  // the segmented layout's row count, else 0
+  Tensor keep_scale, keep_shift;
+};
+
+ScaleShift scale_shift_rows(const Tensor& x, const Tensor& scale, const optional<Tensor>& shift) {
+  ScaleShift s;
+  s.dtype = mod_dtype(x, scale, shift);
+  s.scale = mod_rows(scale, x, s.dtype, "scale", s.keep_scale);
+  if (shift.has_value()) s.shift = mod_rows(*shift, x, s.dtype, "shift", s.keep_shift);
+  return s;
+}
+
+// (x3: x viewed as [1, T, D])
+ScaleShift segment_rows(const Tensor& x3, const Tensor& scale, const optional<Tensor>& shift) {
+  ScaleShift s;
+  const at::ScalarType st = scale.scalar_type();
+  const bool keep = (!shift.has_value() || shift->scalar_type() == st) && (st == x3.scalar_type() || st == at::kFloat);
+  s.dtype = keep ? st : at::kFloat;
+  s.segments = scale.size(0);
+  auto rows = [&](const Tensor& m, Tensor& kept, const char* name) {
+    kept = m.to(s.dtype);
+    if (kept.size(1) != 1 && kept.stride(1) != 1) kept = kept.contiguous();
+    ModView v = seg_view(kept, x3, name);
+    v.t = to_dtype(s.dtype, name);
+    return v;
+  };
+  s.scale = rows(scale, s.keep_scale, "scale");
+  if (shift.has_value()) s.shift = rows(*shift, s.keep_shift, "shift");
+  return s;
+}
+}  // namespace
 
 optional<Tensor> affine_f32(const optional<Tensor>& t) {
-  if (!t.has_value()) return c10::nullopt;
+  if (!t.has_value() || (t->scalar_type() == at::kFloat && t->is_contiguous())) return t;
   return t->to(at::kFloat).contiguous();
 }
 
-std::vector<int64_t> stat_shape(const Tensor& x) { return {x.sizes().begin(), x.sizes().end() - 1}; }
+Tensor stat_rows(const Tensor& s) {
+  return s.scalar_type() == at::kFloat && s.is_contiguous() ? s : s.to(at::kFloat).contiguous();
+}
+
+// A kernel gradient of modulation `t` ([B, N, D] per element or [B, D] per-sample sums), summed over
+// the dims where `t` broadcasts, in t's shape and dtype.
+Tensor mod_grad(Tensor g, const Tensor& t, const Tensor& x) {
+  if (summed_over_batch(t, x)) g = g.sum(at::IntArrayRef{0}, /*keepdim=*/true, at::kFloat);
+  return g.reshape(t.sizes()).to(t.scalar_type());
+}
+
+Tensor or_empty(const Tensor& g, const Tensor& x) { return g.defined() ? g : x.new_empty({0}); }
+
+namespace {
+// What the forward and the backward launchers share of their kernel arguments (FwdArgs, BwdArgs),
+// from x viewed as [B, N, D] and its parameters, checked here: the dtypes, the norm, the pointers,
+// the sizes, the block-shape cap and ring slots, and `aligned` as far as these tensors go (the
+// caller adds its own).
+// Segmented layout (`seg`: the segment of each row of x [1, T, D], int32 or int64 [T]): scale and shift
+// are [segments, D] rows (segment_rows), read through a.seg.
+template <typename Args>
+void fill_rows(Args& a, Norm norm, const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
+               const ScaleShift& ss, int max_threads, int stages, const optional<Tensor>& seg) {
+  check_x(x, "x");
+  const int64_t D = x.size(2);
+  a.xt = to_dtype(x, "x");
+  TORCH_CHECK(D <= max_features(a.xt), "norm_modulate kernels: D = ", D, " exceeds the kernel's ", max_features(a.xt),
+              " features for ", x.scalar_type());
+  TORCH_CHECK(ss.dtype == x.scalar_type() || ss.dtype == at::kFloat, "norm_modulate kernels: scale and shift must be ",
+              "read as float32 or x's dtype ", x.scalar_type(), ", got ", ss.dtype);
+  a.mt = ss.scale.t;
+  a.norm = norm;
+  a.x = x.data_ptr();
+  a.weight = affine_ptr(weight, x, "weight");
+  a.bias = affine_ptr(bias, x, "bias");
+  a.scale = ss.scale;
+  a.shift = ss.shift;
+  if (seg.has_value()) a.seg = segment_ids_view(*seg, x, ss.segments);
+  a.B = x.size(0);
+  a.N = x.size(1);
+  a.D = static_cast<int>(D);
+  a.max_threads = max_threads;
+  a.stages = stages;
+  const int64_t vec = a.xt == DType::F32 ? 4 : 8, esize = c10::elementSize(ss.dtype);
+  a.aligned = D % vec == 0 && aligned16(a.x) && (!a.weight || aligned16(a.weight)) && (!a.bias || aligned16(a.bias)) &&
+              mod_aligned(a.scale, esize) && mod_aligned(a.shift, esize);
+}
+}  // namespace
+
+// The ops' CUDA bodies (norm_modulate_ops.h), for the dispatcher kernels (norm_modulate_dispatch.cu)
+// and the bindings below. With segment_ids: the segmented layout (x viewed as one sequence, scale
+// and shift [segments, D]), {} where its kernel cannot run.
+
+// {y, mean (undefined for RMSNorm), rstd} in x's shape, y in out_dtype, the per-row statistics in
+// fp32: the CUDA body of either op's forward
+std::vector<Tensor> op_forward(Norm norm, const Tensor& x, const optional<Tensor>& weight,
+                               const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                               double eps, at::ScalarType out_dtype, const optional<Tensor>& segment_ids) {
+  const bool segmented = segment_ids.has_value();
+  const Tensor x3 = x.contiguous().view({segmented ? 1 : x.size(0), -1, x.size(-1)});
+  const ScaleShift ss = segmented ? segment_rows(x3, scale, shift) : scale_shift_rows(x, scale, shift);
+  optional<Tensor> ids;
+  if (segmented) ids = segment_ids->contiguous();
+  const optional<Tensor> w = affine_f32(weight), bi = affine_f32(bias);  // (alive until the launch)
+  const Tuning t = tuning();
+  FwdArgs a;
+  fill_rows(a, norm, x3, w, bi, ss, t.max_threads, t.fwd_stages, ids);
+  c10::cuda::CUDAGuard guard(x.device());
+  if (segmented) segment_starts(*ids, ss.segments, nullptr);
+  const bool out_fp32 = out_dtype != x.scalar_type();
+  const at::IntArrayRef rows = x.sizes().slice(0, x.dim() - 1);
+  const auto f32 = x.options().dtype(at::kFloat);
+  Tensor y = at::empty(x.sizes(), out_fp32 ? f32 : x.options());
+  Tensor mean = norm == Norm::RMS ? Tensor() : at::empty(rows, f32);
+  Tensor rstd = at::empty(rows, f32);
+  a.ot = out_fp32 ? DType::F32 : a.xt;
+  a.y = y.data_ptr();
+  a.mean = mean.defined() ? mean.data_ptr<float>() : nullptr;
+  a.rstd = rstd.data_ptr<float>();
+  a.eps = static_cast<float>(eps);
+  a.store = t.store;
+  a.tail_pct = t.tail_pct;
+  a.tail_rows = t.tail_rows;
+  a.aligned = a.aligned && aligned16(a.y);
+  const bool launched = launch_forward(a, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!launched) return {};  // (the segmented layout where its kernel cannot run: the caller's composite)
+  if (out_fp32 && out_dtype != at::kFloat) y = y.to(out_dtype);
+  return {y, mean, rstd};
+}
+
+// {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes, undefined for an absent
+// input: the CUDA body of either op's backward (mean: none for RMSNorm). The kernels write dscale and
+// dshift as [B, N, D] per element when the modulation is per-token, else as per-sample (per-segment)
+// column sums [rows, D]: in the modulation's dtype when those are its gradient, so that each sum is
+// rounded once; in float32 when a modulation shared over a batch > 1 is summed over it afterwards.
+std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x, const optional<Tensor>& weight,
+                                const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                                const optional<Tensor>& mean, const Tensor& rstd,
+                                const optional<Tensor>& segment_ids) {
+  const bool segmented = segment_ids.has_value();
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(dy_in.sizes() == x.sizes(), "norm_modulate kernels (backward): dy shape ", dy_in.sizes(),
+              " must equal x shape ", x.sizes());
+  const Tensor x3 = x.contiguous().view({segmented ? 1 : x.size(0), -1, D});
+  const Tensor dy =
+      (dy_in.scalar_type() == x.scalar_type() || dy_in.scalar_type() == at::kFloat ? dy_in : dy_in.to(at::kFloat))
+          .contiguous()
+          .view(x3.sizes());
+  const ScaleShift ss = segmented ? segment_rows(x3, scale, shift) : scale_shift_rows(x, scale, shift);
+  optional<Tensor> ids;
+  if (segmented) ids = segment_ids->contiguous();
+  const Tensor rstd_rows = stat_rows(rstd), mean_rows = mean.has_value() ? stat_rows(*mean) : Tensor();
+  const optional<Tensor> w = affine_f32(weight), bi = affine_f32(bias);  // (alive until the launch)
+  const Tuning t = tuning();
+  BwdArgs a;
+  fill_rows(a, norm, x3, w, bi, ss, t.max_threads, t.bwd_stages, ids);
+  const int64_t B = a.B, N = a.N;
+  check_x(dy, "dy");
+  check_same_device(dy, x, "dy");
+  a.dyt = to_dtype(dy, "dy");
+  TORCH_CHECK(mean.has_value() == (norm == Norm::Layer), "norm_modulate kernels (backward): mean is ",
+              norm == Norm::Layer ? "required" : "not taken", " for this norm");
+  for (const Tensor* s : {mean_rows.defined() ? &mean_rows : nullptr, &rstd_rows}) {
+    if (s == nullptr) continue;
+    const char* name = s == &rstd_rows ? "rstd" : "mean";
+    check_same_device(*s, x, name);
+    TORCH_CHECK(s->numel() == B * N, "norm_modulate kernels (backward): ", name, " must have ", B * N,
+                " elements (one per row), got shape ", s->sizes());
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  a.dy = dy.data_ptr();
+  a.mean = mean_rows.defined() ? mean_rows.data_ptr<float>() : nullptr;
+  a.rstd = rstd_rows.data_ptr<float>();
+  a.two_kernel = t.two_kernel;
+
+  const auto f32 = x.options().dtype(at::kFloat);
+  const Tensor dx = at::empty(x.sizes(), x.options());
+  a.dx = dx.data_ptr();
+  const bool scale_pt = a.scale.sn != 0;
+  const bool shift_pt = shift.has_value() && a.shift.sn != 0;
+  // (segmented: x is one sequence, its gradient rows are per segment and never summed)
+  auto summed = [&](const Tensor& m) { return !segmented && summed_over_batch(m, x); };
+  const bool in_mt = (scale_pt || !summed(scale)) && (!shift.has_value() || shift_pt || !summed(*shift));
+  a.rows_t = in_mt ? a.mt : DType::F32;
+  // the kernel's output for modulation m, allocated in m's shape where it is m's gradient as written
+  // (`final`), else as the kernels write it, summed and cast afterwards (mod_grad)
+  auto mod_out = [&](const Tensor& m, bool pt, bool& final) {
+    const at::ScalarType dt = pt || in_mt ? ss.dtype : at::kFloat;
+    final = dt == m.scalar_type() && !summed(m);
+    const auto options = x.options().dtype(dt);
+    if (final) return at::empty(m.sizes(), options);
+    return pt ? at::empty({B, N, D}, options) : at::empty({segmented ? ss.segments : B, D}, options);
+  };
+  bool scale_final = false, shift_final = false;
+  const Tensor dscale = mod_out(scale, scale_pt, scale_final);
+  const Tensor dshift = shift.has_value() ? mod_out(*shift, shift_pt, shift_final) : Tensor();
+  const Tensor dweight = weight.has_value() ? at::empty({D}, f32) : Tensor();
+  const Tensor dbias = bias.has_value() ? at::empty({D}, f32) : Tensor();
+  if (scale_pt) a.dscale_el = dscale.data_ptr();
+  else a.dscale_rows = dscale.data_ptr();
+  if (shift_pt) a.dshift_el = dshift.data_ptr();
+  else if (shift.has_value()) a.dshift_rows = dshift.data_ptr();
+  if (weight.has_value()) a.dweight = dweight.data_ptr<float>();
+  if (bias.has_value()) a.dbias = dbias.data_ptr<float>();
+
+  a.aligned = a.aligned && aligned16(a.dy) && aligned16(a.dx) && (!a.dscale_el || aligned16(a.dscale_el)) &&
+              (!a.dshift_el || aligned16(a.dshift_el));
+  backward_plan(a);  // after the alignment: the ring (a.stages) needs aligned rows
+  Tensor starts;
+  if (segmented) {
+    if (a.stages == 0 || a.two_kernel) return {};  // (the ring kernel only; the caller's composite)
+    starts = segment_start_rows(*ids, a.seg);
+  }
+  a.pieces = segmented ? a.tiles + a.seg.count : a.tiles * B;  // (the workspace: piece_of)
+  // the planes, then the reduction groups' totals partials (norm_modulate.cuh: reduce_groups)
+  const int64_t totals = totals_floats(a);
+  const Tensor ws = at::empty({3 * a.pieces * D + totals}, f32);
+  a.ws = ws.data_ptr<float>();
+  if (totals > 0) a.totals = a.ws + 3 * a.pieces * D;
+  a.aligned = a.aligned && aligned16(a.ws);
+  launch_backward(a, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  auto grad = [&](const Tensor& g, const Tensor& m, bool final) {
+    return final ? g : segmented ? g.to(m.scalar_type()) : mod_grad(g, m, x);
+  };
+  auto param = [](const Tensor& g, const optional<Tensor>& p) {
+    return !g.defined() || p->scalar_type() == at::kFloat ? g : g.to(p->scalar_type());
+  };
+  return {dx, param(dweight, weight), param(dbias, bias), grad(dscale, scale, scale_final),
+          shift.has_value() ? grad(dshift, *shift, shift_final) : Tensor()};
+}
 
 std::tuple<Tensor, Tensor, Tensor> adaln_forward(const Tensor& x, const optional<Tensor>& weight,
                                                  const optional<Tensor>& bias, const Tensor& scale,
@@ -476,93 +579,20 @@ std::tuple<Tensor, Tensor> rms_forward(const Tensor& x, const optional<Tensor>& 
   return {out[0], out[2]};
 }
 
-// A kernel gradient of modulation `t` ([B, N, D] per element or [B, D] per-sample sums), summed over
-// the dims where `t` broadcasts, in t's shape and dtype.
-Tensor mod_grad(Tensor g, const Tensor& t, const Tensor& x) {
-  if (summed_over_batch(t, x)) g = g.sum(at::IntArrayRef{0}, /*keepdim=*/true, at::kFloat);
-  return g.reshape(t.sizes()).to(t.scalar_type());
-}
-
-Tensor or_empty(const optional<Tensor>& g, const Tensor& x) { return g.has_value() ? *g : x.new_empty({0}); }
-
 // (dx, dweight, dbias, dscale, dshift) in each input's shape and dtype; an absent input's gradient
 // is an empty [0] tensor.
-Tensor stat_rows(const Tensor& s) { return s.to(at::kFloat).contiguous().view(-1); }
-
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> adaln_backward(
     const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
     const Tensor& scale, const optional<Tensor>& shift, const Tensor& mean, const Tensor& rstd) {
   auto g = op_backward(Norm::Layer, dy, x, weight, bias, scale, shift, mean, rstd);
-  return {g[0], g[1], g[2], g[3], g[4]};
+  return {g[0], or_empty(g[1], x), or_empty(g[2], x), g[3], or_empty(g[4], x)};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x,
                                                         const optional<Tensor>& weight, const Tensor& scale,
                                                         const optional<Tensor>& shift, const Tensor& rstd) {
   auto g = op_backward(Norm::RMS, dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd);
-  return {g[0], g[1], g[3], g[4]};
-}
-
-// The segmented layout (adaptiveload/ops/segmented.py): x [..., D] of T rows, scale and shift
-// [segments, D], segment_ids [T]. Scale and shift as the kernels read them: in their dtype when they
-// agree and it is x's or float32, else float32; unit stride along D.
-std::pair<Tensor, optional<Tensor>> segment_rows(const Tensor& x, const Tensor& scale, const optional<Tensor>& shift) {
-  const at::ScalarType st = scale.scalar_type();
-  const bool keep = (!shift.has_value() || shift->scalar_type() == st) && (st == x.scalar_type() || st == at::kFloat);
-  auto rows = [&](const Tensor& m) {
-    const Tensor r = keep ? m : m.to(at::kFloat);
-    return r.size(1) == 1 || r.stride(1) == 1 ? r : r.contiguous();
-  };
-  optional<Tensor> shift_rows;
-  if (shift.has_value()) shift_rows = rows(*shift);
-  return {rows(scale), shift_rows};
-}
-
-// The ops' CUDA bodies (norm_modulate_ops.h), for the dispatcher kernels (norm_modulate_dispatch.cu)
-// and the bindings below. With segment_ids: the segmented layout (x viewed as one sequence, scale
-// and shift [segments, D]), {} where its kernel cannot run.
-
-// {y, mean (undefined for RMSNorm), rstd} in x's shape, y in out_dtype, the per-row statistics in
-// fp32: the CUDA body of either op's forward
-std::vector<Tensor> op_forward(Norm norm, const Tensor& x, const optional<Tensor>& weight,
-                               const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                               double eps, at::ScalarType out_dtype, const optional<Tensor>& segment_ids) {
-  const bool segmented = segment_ids.has_value();
-  const int64_t B = segmented ? 1 : x.size(0), D = x.size(-1);
-  const auto [scale_rows, shift_rows] = segmented ? segment_rows(x, scale, shift) : scale_shift_rows(x, scale, shift);
-  optional<Tensor> ids;
-  if (segmented) ids = segment_ids->contiguous();
-  auto out = forward_rows(norm, x.contiguous().view({B, -1, D}), affine_f32(weight), affine_f32(bias), scale_rows,
-                          shift_rows, eps, out_dtype != x.scalar_type(), ids);
-  if (out.empty()) return {};
-  Tensor y = out[0];
-  if (out_dtype != x.scalar_type() && out_dtype != at::kFloat) y = y.to(out_dtype);
-  return {y.view(x.sizes()), out[1].defined() ? out[1].view(stat_shape(x)) : out[1], out[2].view(stat_shape(x))};
-}
-
-// {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (an empty tensor for an
-// absent input): the CUDA body of either op's backward (mean: none for RMSNorm)
-std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x, const optional<Tensor>& weight,
-                                const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                                const optional<Tensor>& mean, const Tensor& rstd,
-                                const optional<Tensor>& segment_ids) {
-  const bool segmented = segment_ids.has_value();
-  const int64_t B = segmented ? 1 : x.size(0), D = x.size(-1);
-  const Tensor dy = dy_in.scalar_type() == x.scalar_type() || dy_in.scalar_type() == at::kFloat ? dy_in : dy_in.to(at::kFloat);
-  const auto [scale_rows, shift_rows] = segmented ? segment_rows(x, scale, shift) : scale_shift_rows(x, scale, shift);
-  optional<Tensor> mean_rows, ids;
-  if (mean.has_value()) mean_rows = stat_rows(*mean);
-  if (segmented) ids = segment_ids->contiguous();
-  auto g = backward_rows(norm, dy.contiguous().view({B, -1, D}), x.contiguous().view({B, -1, D}), affine_f32(weight),
-                         affine_f32(bias), scale_rows, shift_rows, mean_rows, stat_rows(rstd), ids);
-  if (g.empty()) return {};
-  // a modulation gradient: per-segment rows in the modulation's dtype, else summed where it broadcasts
-  auto mod = [&](const Tensor& gm, const Tensor& m) { return segmented ? gm.to(m.scalar_type()) : mod_grad(gm, m, x); };
-  optional<Tensor> dweight, dbias, dshift;
-  if (weight.has_value()) dweight = g[3].to(weight->scalar_type());
-  if (bias.has_value()) dbias = g[4].to(bias->scalar_type());
-  if (shift.has_value()) dshift = mod(g[2], *shift);
-  return {g[0].view(x.sizes()), or_empty(dweight, x), or_empty(dbias, x), mod(g[1], scale), or_empty(dshift, x)};
+  return {g[0], or_empty(g[1], x), g[3], or_empty(g[4], x)};
 }
 
 }  // namespace adaln
@@ -609,7 +639,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            const at::Tensor& rstd, at::ScalarType x_dtype) {
           auto g = adaln::residual_op_backward(adaln::Norm::Layer, dout, dr, r, y, gate, weight, bias, scale, shift,
                                                mean, rstd, x_dtype);
-          return std::make_tuple(g[0], g[1], g[2], g[3], g[4], g[5], g[6]);
+          auto e = [&](const at::Tensor& t) { return adaln::or_empty(t, r); };
+          return std::make_tuple(g[0], e(g[1]), e(g[2]), e(g[3]), e(g[4]), e(g[5]), e(g[6]));
         },
         "dx, dy, dgate, dweight, dbias, dscale, dshift = residual_backward(dout, dr?, r, y?, gate?, weight?, bias?, "
         "scale?, shift?, mean, rstd, x_dtype): the CUDA body of adaptiveload::residual_adaln_modulate_backward",
@@ -634,7 +665,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            const c10::optional<at::Tensor>& shift, const at::Tensor& rstd, at::ScalarType x_dtype) {
           auto g = adaln::residual_op_backward(adaln::Norm::RMS, dout, dr, r, y, gate, weight, c10::nullopt, scale,
                                                shift, c10::nullopt, rstd, x_dtype);
-          return std::make_tuple(g[0], g[1], g[2], g[3], g[5], g[6]);
+          auto e = [&](const at::Tensor& t) { return adaln::or_empty(t, r); };
+          return std::make_tuple(g[0], e(g[1]), e(g[2]), e(g[3]), e(g[5]), e(g[6]));
         },
         "dx, dy, dgate, dweight, dscale, dshift = residual_rms_backward(dout, dr?, r, y?, gate?, weight?, scale?, "
         "shift?, rstd, x_dtype): the CUDA body of adaptiveload::residual_rms_norm_modulate_backward",
@@ -660,8 +692,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                     scale, shift, mean, rstd, segment_ids);
         },
         "[dx, dweight, dbias, dscale, dshift] = segmented_backward(dy, x, weight?, bias?, scale, shift?, segment_ids, "
-        "mean (None for RMSNorm), rstd), or [] where the kernel cannot run: the CUDA body of the segmented "
-        "ops' backward",
+        "mean (None for RMSNorm), rstd) (None for an absent input's gradient), or [] where the kernel cannot run: the "
+        "CUDA body of the segmented ops' backward",
         py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"),
         py::arg("segment_ids"), py::arg("mean"), py::arg("rstd"));
   m.def("residual_segmented_forward",
@@ -689,8 +721,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                              gate, weight, bias, scale, shift, mean, rstd, x_dtype, segment_ids);
         },
         "[dx, dy, dgate, dweight, dbias, dscale, dshift] = residual_segmented_backward(dout, dr?, r, y?, gate?, weight?, "
-        "bias?, scale?, shift?, segment_ids, mean (None for RMSNorm), rstd, x_dtype), or [] where the kernel cannot "
-        "run: the CUDA body of the residual segmented ops' backward",
+        "bias?, scale?, shift?, segment_ids, mean (None for RMSNorm), rstd, x_dtype) (None for an absent input's "
+        "gradient, and for dy and dgate without a gate), or [] where the kernel cannot run: the CUDA body of the "
+        "residual segmented ops' backward",
         py::arg("dout"), py::arg("dr"), py::arg("r"), py::arg("y"), py::arg("gate"), py::arg("weight"),
         py::arg("bias"), py::arg("scale"), py::arg("shift"), py::arg("segment_ids"), py::arg("mean"), py::arg("rstd"),
         py::arg("x_dtype"));
@@ -709,7 +742,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "hand the dispatcher kernels (registered for CUDA and AutogradCUDA when this module loads) the ops' "
         "Python CUDA paths, {op name: callable}, which serve the calls the kernels do not take",
         py::arg("paths"));
-  m.def("modulation_rows", [](const at::Tensor& t, const at::Tensor& x) { return adaln::modulation_rows(t, x, t.scalar_type()); },
-        "the [B or 1, N or 1, D] row view of modulation t that the kernels read for x (a copy only where the "
-        "token dims do not collapse to one stride or D is not unit-stride)", py::arg("t"), py::arg("x"));
+  m.def("modulation_view",
+        [](const at::Tensor& t, const at::Tensor& x) {
+          at::Tensor keep;
+          const adaln::ModView v = adaln::mod_rows(t, x, t.scalar_type(), "t", keep);
+          return std::make_tuple(reinterpret_cast<int64_t>(v.ptr), v.sb, v.sn, keep);
+        },
+        "(data_ptr, batch_stride, token_stride, copy) = modulation_view(t, x): how the kernels read modulation t "
+        "for x viewed as [B, N, D] (strides in elements, 0 where broadcast): t in place (copy None) unless its token "
+        "dims do not collapse to one stride, are expanded, or D is not unit-stride (copy: the [B or 1, N or 1, D] "
+        "tensor read instead)",
+        py::arg("t"), py::arg("x"));
 }

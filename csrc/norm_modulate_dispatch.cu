@@ -29,21 +29,6 @@ using torch::autograd::variable_list;
 
 bool kernel_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
-// modulation_layout(t.shape, x.shape) in adaptiveload/ops/common.py: per-sample, per-token or shared
-bool layout_ok(const Tensor& t, const Tensor& x) {
-  const int64_t xd = x.dim(), td = t.dim();
-  if (td == 0 || td > xd || t.size(-1) != x.size(-1)) return false;
-  const int64_t off = xd - td;
-  auto padded = [&](int64_t i) { return i < off ? int64_t{1} : t.size(i - off); };
-  if (padded(0) != 1 && padded(0) != x.size(0)) return false;
-  bool ones = true, same = true;
-  for (int64_t i = 1; i + 1 < xd; ++i) {
-    ones = ones && padded(i) == 1;
-    same = same && padded(i) == x.size(i);
-  }
-  return ones || same;
-}
-
 bool fast_mod(const Tensor& m, const Tensor& x) {
   return m.device() == x.device() && (m.scalar_type() == x.scalar_type() || m.scalar_type() == at::kFloat) &&
          layout_ok(m, x);
@@ -168,7 +153,7 @@ Bwd5 adaln_backward_cuda(const Tensor& dy, const Tensor& x, const optional<Tenso
   if (!fast_backward(dy, x, weight, bias, scale, shift, mean, rstd))
     return python_path<Bwd5>(kAdalnBackward, dy, x, weight, bias, scale, shift, mean, rstd);
   auto g = op_backward(Norm::Layer, dy, x, weight, bias, scale, shift, mean, rstd);
-  return {g[0], g[1], g[2], g[3], g[4]};
+  return {g[0], or_empty(g[1], x), or_empty(g[2], x), g[3], or_empty(g[4], x)};
 }
 
 Fwd2 rms_cuda(const Tensor& x, const optional<Tensor>& weight, const Tensor& scale, const optional<Tensor>& shift,
@@ -184,7 +169,7 @@ Bwd4 rms_backward_cuda(const Tensor& dy, const Tensor& x, const optional<Tensor>
   if (!fast_backward(dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd))
     return python_path<Bwd4>(kRmsBackward, dy, x, weight, scale, shift, rstd);
   auto g = op_backward(Norm::RMS, dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd);
-  return {g[0], g[1], g[3], g[4]};
+  return {g[0], or_empty(g[1], x), g[3], or_empty(g[4], x)};
 }
 
 using Res4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
@@ -210,7 +195,8 @@ ResBwd7 residual_adaln_backward_cuda(const Tensor& dout, const optional<Tensor>&
     return python_path<ResBwd7>(kResAdalnBackward, dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd,
                                 x_dtype);
   auto g = residual_op_backward(Norm::Layer, dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd, x_dtype);
-  return {g[0], g[1], g[2], g[3], g[4], g[5], g[6]};
+  return {g[0],           or_empty(g[1], r), or_empty(g[2], r), or_empty(g[3], r),
+          or_empty(g[4], r), or_empty(g[5], r), or_empty(g[6], r)};
 }
 
 Res3 residual_rms_cuda(const Tensor& x, const Tensor& y, const optional<Tensor>& gate, const optional<Tensor>& weight,
@@ -230,7 +216,7 @@ ResBwd6 residual_rms_backward_cuda(const Tensor& dout, const optional<Tensor>& d
     return python_path<ResBwd6>(kResRmsBackward, dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype);
   auto g = residual_op_backward(Norm::RMS, dout, dr, r, y, gate, weight, c10::nullopt, scale, shift, c10::nullopt,
                                 rstd, x_dtype);
-  return {g[0], g[1], g[2], g[3], g[5], g[6]};
+  return {g[0], or_empty(g[1], r), or_empty(g[2], r), or_empty(g[3], r), or_empty(g[5], r), or_empty(g[6], r)};
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ std::vector<at::Tensor> op_forward(Norm norm, const at::Tensor& x, const c10::op
                                    const c10::optional<at::Tensor>& shift, double eps, at::ScalarType out_dtype,
                                    const c10::optional<at::Tensor>& segment_ids = c10::nullopt);
 
-// {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (an empty tensor for an absent
-// input): the CUDA body of either op's backward (mean: none for RMSNorm)
+// {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (undefined for an absent input:
+// or_empty makes the schemas' [0] tensor where a caller returns one): the CUDA body of either op's
+// backward (mean: none for RMSNorm)
 std::vector<at::Tensor> op_backward(Norm norm, const at::Tensor& dy, const at::Tensor& x,
                                     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
                                     const at::Tensor& scale, const c10::optional<at::Tensor>& shift,
@@ -41,8 +42,8 @@ std::vector<at::Tensor> residual_op_forward(Norm norm, const at::Tensor& x, cons
                                             at::ScalarType r_dtype, at::ScalarType out_dtype,
                                             const c10::optional<at::Tensor>& segment_ids = c10::nullopt);
 
-// {dx, dy, dgate, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (dx in x_dtype; an
-// empty tensor for an absent input, and for dy and dgate without a gate): the CUDA body of either
+// {dx, dy, dgate, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (dx in x_dtype;
+// undefined for an absent input, and dy and dgate without a gate): the CUDA body of either
 // residual op's backward (mean: none for RMSNorm); segment_ids as in the forward ({} where not taken)
 std::vector<at::Tensor> residual_op_backward(Norm norm, const at::Tensor& dout, const c10::optional<at::Tensor>& dr,
                                              const at::Tensor& r, const c10::optional<at::Tensor>& y,
@@ -72,12 +73,11 @@ Tuning tuning();
 
 // Helpers of the CUDA bodies (norm_modulate.cu), shared with the residual ops' (TORCH_CHECKs there
 // guard what the callers have already checked).
+DType to_dtype(at::ScalarType t, const char* name);
 DType to_dtype(const at::Tensor& t, const char* name);
 bool aligned16(const void* p);
 // x: [B, N, D] contiguous on CUDA, not empty.
 void check_x(const at::Tensor& x, const char* name);
-// Modulation m viewed as [B or 1, N or 1, D] (unit stride along D) of x [B, N, D]: pointer and strides.
-ModView mod_view(const at::Tensor& m, const at::Tensor& x, const char* name);
 // The segmented layout (x viewed as [1, T, D]): modulation m [segments, D], unit stride along D, as a
 // view of rows seg[n] (its dtype left to the caller); the ids [T] (int32 / int64, contiguous) as the
 // kernels' Segments of `count` segments; segment_starts checks the ids on the device (each in
@@ -97,17 +97,25 @@ bool per_token(const at::Tensor& t, const at::Tensor& x);
 // Whether the kernels' gradient rows of modulation t (one per sample of x's batch) are summed over
 // that batch afterwards: t is shared by a batch of more than one sample.
 bool summed_over_batch(const at::Tensor& t, const at::Tensor& x);
-// Modulation t as a [B or 1, N or 1, D] view of x viewed as [B, N, D], in dtype dt (a copy only where
-// needed).
-at::Tensor modulation_rows(const at::Tensor& t, const at::Tensor& x, at::ScalarType dt);
+// Modulation t as the kernels read it for x ([B, ..., D]) viewed as [B, N, D], in dtype dt (v.t): in
+// place, through t's own pointer and strides, where t is of dtype dt, D is unit-stride and its token
+// dims collapse to one stride (every layout the models make, .chunk() views included; no tensor is
+// made); else from a converted or copied [B or 1, N or 1, D] tensor, kept alive in `keep` until the launch.
+// Raises where t is not on x's device or not one of the layouts (layout_ok).
+ModView mod_rows(const at::Tensor& t, const at::Tensor& x, at::ScalarType dt, const char* name, at::Tensor& keep);
+// Whether modulation t broadcasts over x as per-sample, per-token or shared (modulation_layout in
+// adaptiveload/ops/common.py).
+bool layout_ok(const at::Tensor& t, const at::Tensor& x);
+// A norm's affine parameter as contiguous fp32 (itself when it is already).
 c10::optional<at::Tensor> affine_f32(const c10::optional<at::Tensor>& t);
-std::vector<int64_t> stat_shape(const at::Tensor& x);
-// A saved per-row statistic as a contiguous fp32 vector.
+// A saved per-row statistic as contiguous fp32 (itself when it is already).
 at::Tensor stat_rows(const at::Tensor& s);
 // A kernel gradient of modulation t ([B, N, D] per element or [B, D] per-sample sums), summed over
 // the dims where t broadcasts, in t's shape and dtype.
 at::Tensor mod_grad(at::Tensor g, const at::Tensor& t, const at::Tensor& x);
-at::Tensor or_empty(const c10::optional<at::Tensor>& g, const at::Tensor& x);
+// g, or a fresh empty [0] tensor on x's device where g is undefined (the gradient of an absent input,
+// as the schemas return it; outputs of an op must not alias one another).
+at::Tensor or_empty(const at::Tensor& g, const at::Tensor& x);
 
 // Hands the dispatcher kernels the ops' Python CUDA paths ({op name: callable}), which serve the calls
 // the kernels do not take; called once, when the module is loaded.

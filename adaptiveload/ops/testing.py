@@ -9,6 +9,10 @@ from typing import Optional
 import torch
 
 LAYOUTS = ("per-sample", "per-token", "shared", "strided-per-sample", "strided-per-token", "batch1-per-token")
+# A per-token modulation that is an expanded (stride 0) view of one row a sample, ``m.expand(B, *tokens,
+# D)``: each token reads the same row, but its gradient is still per token. Kept out of LAYOUTS (no
+# model makes it); the kernels' tests take it by name.
+EXPANDED_PER_TOKEN = "expanded-per-token"
 # torch.library.opcheck's utilities every op passes; a backward op has no autograd registration of its own
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 OPCHECK_BACKWARD_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -17,8 +21,8 @@ TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 6e-3, torch.fl
 
 
 def make_mod(layout: str, x_shape, dtype, device, gen) -> torch.Tensor:
-    """A leaf modulation tensor for x of x_shape in one of LAYOUTS (strided ones are views of a
-    larger leaf, the way a .chunk() of a [B, k*D] embedding is)."""
+    """A leaf modulation tensor for x of x_shape in one of LAYOUTS or EXPANDED_PER_TOKEN (strided
+    ones are views of a larger leaf, the way a .chunk() of a [B, k*D] embedding is)."""
     B, D = x_shape[0], x_shape[-1]
     tokens = list(x_shape[1:-1])
     ones = [1] * len(tokens)
@@ -38,6 +42,8 @@ def make_mod(layout: str, x_shape, dtype, device, gen) -> torch.Tensor:
         return randn(B, 3 * D).chunk(3, dim=-1)[1].view(B, *ones, D)
     if layout == "strided-per-token":  # [B, *tokens, 2*D].chunk(2)[1]
         return randn(B, *tokens, 2 * D).chunk(2, dim=-1)[1]
+    if layout == EXPANDED_PER_TOKEN:
+        return randn(B, *ones, D).expand(B, *tokens, D)
     raise AssertionError(layout)
 
 

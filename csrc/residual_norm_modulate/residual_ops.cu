@@ -39,14 +39,9 @@ void with_row_type(at::ScalarType t, const F& f) {
 }
 
 // Modulation m (gate, scale or shift; absent: a null view) as the kernels read it for x viewed as
-// [B, N, D] (x3): its row view, kept alive in `rows` until the launch (a copy only where its token
-// dims do not collapse to one stride), in its own dtype.
-ModView typed_rows(const optional<Tensor>& m, const Tensor& x, const Tensor& x3, const char* name, Tensor& rows) {
-  if (!m.has_value()) return ModView{};
-  rows = modulation_rows(*m, x, m->scalar_type());
-  ModView v = mod_view(rows, x3, name);
-  v.t = to_dtype(rows, name);
-  return v;
+// [B, N, D], in its own dtype (mod_rows: in place, or a copy kept alive in `rows` until the launch).
+ModView typed_rows(const optional<Tensor>& m, const Tensor& x, const char* name, Tensor& rows) {
+  return m.has_value() ? mod_rows(*m, x, m->scalar_type(), name, rows) : ModView{};
 }
 
 // The segmented layout's modulation m [segments, D] (absent: a null view), read in place in its own
@@ -67,9 +62,7 @@ int64_t segment_count(const optional<Tensor>& gate, const optional<Tensor>& scal
   return 0;
 }
 
-bool rows_aligned(const ModView& v, const Tensor& rows) {
-  return !rows.defined() || mod_aligned(v, rows.element_size());
-}
+bool rows_aligned(const ModView& v) { return mod_aligned(v, v.t == DType::F32 ? 4 : 2); }
 
 // What the launch reads of gate, scale and shift (and segment_ids), kept alive until it.
 struct KeptRows {
@@ -77,8 +70,8 @@ struct KeptRows {
 };
 
 // Gate, scale and shift of either residual op's arguments (ResFwdArgs, ResBwdArgs) as the kernels
-// read them for the row tensor `like` viewed as [B, N, D] (like3); with segment_ids, the segmented
-// layout's [segments, D] rows and the ids.
+// read them for the row tensor `like` ([B, ..., D]; like3: it viewed as [B, N, D]); with segment_ids,
+// the segmented layout's [segments, D] rows and the ids.
 template <typename Args>
 KeptRows set_modulation(Args& a, const optional<Tensor>& gate, const optional<Tensor>& scale,
                         const optional<Tensor>& shift, const Tensor& like, const Tensor& like3,
@@ -91,21 +84,15 @@ KeptRows set_modulation(Args& a, const optional<Tensor>& gate, const optional<Te
     k.ids = segment_ids->contiguous();
     a.seg = segment_ids_view(k.ids, like3, segment_count(gate, scale, shift));
   } else {
-    a.gate = typed_rows(gate, like, like3, "gate", k.gate);
-    a.scale = typed_rows(scale, like, like3, "scale", k.scale);
-    a.shift = typed_rows(shift, like, like3, "shift", k.shift);
+    a.gate = typed_rows(gate, like, "gate", k.gate);
+    a.scale = typed_rows(scale, like, "scale", k.scale);
+    a.shift = typed_rows(shift, like, "shift", k.shift);
   }
   return k;
 }
 
 
 const float* ptr_or_null(const optional<Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
-
-// The dtype of a per-token modulation's per-element gradient: its own, or float32 where it is
-// summed over a broadcast batch afterwards (rounded once, after the sum).
-at::ScalarType element_grad_dtype(const Tensor& t, const Tensor& x) {
-  return summed_over_batch(t, x) ? at::kFloat : t.scalar_type();
-}
 
 }  // namespace
 
@@ -135,17 +122,17 @@ std::vector<Tensor> residual_op_forward(Norm norm, const Tensor& x, const Tensor
   const optional<Tensor> w = affine_f32(weight), bi = affine_f32(bias);
   a.weight = ptr_or_null(w), a.bias = ptr_or_null(bi);
   const auto f32 = x.options().dtype(at::kFloat);
-  Tensor r = at::empty({B, N, D}, x.options().dtype(r_dtype));
-  Tensor out = at::empty({B, N, D}, x.options().dtype(out_dtype));
-  Tensor mean = norm == Norm::RMS ? Tensor() : at::empty({B, N}, f32);
-  Tensor rstd = at::empty({B, N}, f32);
+  const at::IntArrayRef rows = x.sizes().slice(0, x.dim() - 1);
+  Tensor r = at::empty(x.sizes(), x.options().dtype(r_dtype));
+  Tensor out = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  Tensor mean = norm == Norm::RMS ? Tensor() : at::empty(rows, f32);
+  Tensor rstd = at::empty(rows, f32);
   a.r = r.data_ptr(), a.out = out.data_ptr(), a.ot = to_dtype(out, "out");
   a.mean = mean.defined() ? mean.data_ptr<float>() : nullptr;
   a.rstd = rstd.data_ptr<float>();
   a.aligned = D % kResVec == 0 && aligned16(a.x) && aligned16(a.y) && aligned16(a.r) && aligned16(a.out) &&
               (!a.weight || aligned16(a.weight)) && (!a.bias || aligned16(a.bias)) &&
-              rows_aligned(a.gate, mods.gate) && rows_aligned(a.scale, mods.scale) &&
-              rows_aligned(a.shift, mods.shift);
+              rows_aligned(a.gate) && rows_aligned(a.scale) && rows_aligned(a.shift);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
   bool ran = false;
   with_row_type(r_dtype, [&](auto tag) {
@@ -154,8 +141,7 @@ std::vector<Tensor> residual_op_forward(Norm norm, const Tensor& x, const Tensor
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (!ran) return {};  // (the segmented layout where its kernel cannot run: the caller's composite)
-  const auto rows = stat_shape(x);
-  return {r.view(x.sizes()), out.view(x.sizes()), mean.defined() ? mean.view(rows) : mean, rstd.view(rows)};
+  return {r, out, mean, rstd};
 }
 
 std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
@@ -193,26 +179,28 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
 
   // outputs: per-token modulation's gradients per element, the others' per-sample column sums (mod_out)
   const auto f32 = r.options().dtype(at::kFloat);
-  const Tensor dx = at::empty({B, N, D}, r.options().dtype(x_dtype));
-  const Tensor dy = y3.defined() ? at::empty({B, N, D}, y3.options()) : Tensor();
+  const Tensor dx = at::empty(r.sizes(), r.options().dtype(x_dtype));
+  const Tensor dy = y3.defined() ? at::empty(r.sizes(), y3.options()) : Tensor();
+  // (segmented: r is one sequence, its gradient rows are per segment and never summed)
+  auto summed = [&](const Tensor& m) { return !segmented && summed_over_batch(m, r); };
+  // The kernels' output for modulation m: per element (per-token) or per-sample (per-segment) column
+  // sums, in m's dtype and allocated in m's shape where that is its gradient as written (`final`); a
+  // modulation shared over a batch > 1: fp32 [B, N, D] or [B, D], summed over the batch afterwards
+  // (mod_grad).
   auto mod_out = [&](const optional<Tensor>& m, const ModView& v, void*& el, DType& el_t, void*& rows,
-                     DType& rows_t) {
+                     DType& rows_t, bool& final) {
     if (!m.has_value()) return Tensor();
-    if (v.sn != 0) {
-      Tensor g = at::empty({B, N, D}, r.options().dtype(element_grad_dtype(*m, r)));
-      el = g.data_ptr(), el_t = to_dtype(g, "gradient");
-      return g;
-    }
-    // per-sample (or per-segment) sums: in m's dtype, the gradient itself; a row shared over B > 1:
-    // fp32, summed over the batch afterwards (mod_grad)
-    const bool own = segmented || !summed_over_batch(*m, r);
-    Tensor g = at::empty({segmented ? a.seg.count : B, D}, own ? r.options().dtype(m->scalar_type()) : f32);
-    rows = g.data_ptr(), rows_t = to_dtype(g, "gradient");
+    final = !summed(*m);
+    Tensor g = final ? at::empty(m->sizes(), r.options().dtype(m->scalar_type()))
+               : v.sn != 0 ? at::empty({B, N, D}, f32) : at::empty({B, D}, f32);
+    (v.sn != 0 ? el : rows) = g.data_ptr();
+    (v.sn != 0 ? el_t : rows_t) = to_dtype(g, "gradient");
     return g;
   };
-  const Tensor dgate = mod_out(gate, a.gate, a.dgate_el, a.dgate_t, a.dgate_rows, a.dgate_rows_t);
-  const Tensor dscale = mod_out(scale, a.scale, a.dscale_el, a.dscale_t, a.dscale_rows, a.dscale_rows_t);
-  const Tensor dshift = mod_out(shift, a.shift, a.dshift_el, a.dshift_t, a.dshift_rows, a.dshift_rows_t);
+  bool gate_final = false, scale_final = false, shift_final = false;
+  const Tensor dgate = mod_out(gate, a.gate, a.dgate_el, a.dgate_t, a.dgate_rows, a.dgate_rows_t, gate_final);
+  const Tensor dscale = mod_out(scale, a.scale, a.dscale_el, a.dscale_t, a.dscale_rows, a.dscale_rows_t, scale_final);
+  const Tensor dshift = mod_out(shift, a.shift, a.dshift_el, a.dshift_t, a.dshift_rows, a.dshift_rows_t, shift_final);
   const Tensor dweight = weight.has_value() ? at::empty({D}, f32) : Tensor();
   const Tensor dbias = bias.has_value() ? at::empty({D}, f32) : Tensor();
   if (dweight.defined()) a.dweight = dweight.data_ptr<float>();
@@ -222,8 +210,7 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
   auto al = [](const void* p) { return p == nullptr || aligned16(p); };
   a.aligned = D % kResVec == 0 && al(a.r) && al(a.dout) && al(a.dr) && al(a.y) && al(a.dx) && al(a.dy) &&
               al(a.dgate_el) && al(a.dscale_el) && al(a.dshift_el) && al(a.weight) && al(a.bias) &&
-              rows_aligned(a.gate, mods.gate) && rows_aligned(a.scale, mods.scale) &&
-              rows_aligned(a.shift, mods.shift);
+              rows_aligned(a.gate) && rows_aligned(a.scale) && rows_aligned(a.shift);
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(r.get_device()).stream();
   Tensor ws, rowsums, starts;
@@ -257,17 +244,15 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
   });
   if (!taken) return {};
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // an absent gradient: a fresh [0] tensor each (outputs of an op must not alias one another)
-  auto empty = [&] { return r.new_empty({0}); };
-  auto grad_of = [&](const optional<Tensor>& m, const Tensor& g) {
-    if (!m.has_value()) return empty();
-    return segmented ? g.to(m->scalar_type()) : mod_grad(g, *m, r);
+  // (an absent input's gradient: undefined)
+  auto grad_of = [&](const optional<Tensor>& m, const Tensor& g, bool final) {
+    return !m.has_value() || final ? g : mod_grad(g, *m, r);
   };
-  auto param = [&](const optional<Tensor>& p, const Tensor& g) { return p.has_value() ? g.to(p->scalar_type()) : empty(); };
-  return {dx.view(r.sizes()),  dy.defined() ? dy.view(r.sizes()) : empty(),
-          grad_of(gate, dgate), param(weight, dweight),
-          param(bias, dbias),   grad_of(scale, dscale),
-          grad_of(shift, dshift)};
+  auto param = [](const optional<Tensor>& p, const Tensor& g) {
+    return !p.has_value() || p->scalar_type() == at::kFloat ? g : g.to(p->scalar_type());
+  };
+  return {dx, dy, grad_of(gate, dgate, gate_final), param(weight, dweight), param(bias, dbias),
+          grad_of(scale, dscale, scale_final), grad_of(shift, dshift, shift_final)};
 }
 
 }  // namespace adaln

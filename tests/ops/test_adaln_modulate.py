@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 import adaptiveload  # noqa: F401  (registers torch.ops.adaptiveload.*)
 from adaptiveload.ops import _tuning, extension
 from adaptiveload.ops.adaln_modulate import op as adaln_op
-from adaptiveload.ops.testing import (GRAD_LAYOUTS, LAYOUTS, OPCHECK_UTILS, TOL, assert_rel, check_backward_strides,
-                                       check_op_against_float64, lay_out_grad, make_mod, property_strategies, rel_err)
+from adaptiveload.ops.testing import (EXPANDED_PER_TOKEN, GRAD_LAYOUTS, LAYOUTS, OPCHECK_UTILS, TOL, assert_rel,
+                                       check_backward_strides, check_op_against_float64, lay_out_grad, make_mod,
+                                       property_strategies, rel_err)
 
 
 EPS = 1e-6
@@ -358,23 +359,42 @@ def kernels():
 
 
 @pytest.mark.cuda
-def test_modulation_rows_view_strided_chunks_without_copy(kernels):
-    """The kernels read a .chunk() of an embedding in place (its strides passed, no copy); per-token
-    modulation over several token dims collapses them, copying only where D is not unit-stride."""
+def test_modulation_read_in_place_through_its_strides(kernels):
+    """The kernels read a .chunk() of an embedding in place (its pointer and strides, no tensor made);
+    per-token modulation over several token dims collapses them; a copy only where D is not
+    unit-stride or the tokens are an expanded (stride 0) view."""
     x = torch.empty(2, 5, 8, device="cuda")
     emb = torch.randn(2, 6 * 8, device="cuda")
     scale = emb.chunk(6, dim=-1)[2].unsqueeze(1)
-    rows = kernels.modulation_rows(scale, x)
-    assert rows.data_ptr() == scale.data_ptr() and rows.shape == (2, 1, 8) and rows.stride() == (48, 8, 1)
+    assert kernels.modulation_view(scale, x) == (scale.data_ptr(), 48, 0, None)
     per_token = torch.randn(2, 5, 16, device="cuda").chunk(2, dim=-1)[1]
-    rows = kernels.modulation_rows(per_token, x)
-    assert rows.data_ptr() == per_token.data_ptr() and rows.stride() == (80, 16, 1)
+    assert kernels.modulation_view(per_token, x) == (per_token.data_ptr(), 80, 16, None)
     shared = torch.randn(8, device="cuda")
-    rows = kernels.modulation_rows(shared, x)
-    assert rows.data_ptr() == shared.data_ptr() and rows.shape == (1, 1, 8)
-    grid = torch.randn(2, 8, 3, 4, device="cuda").permute(0, 2, 3, 1)  # per-token over [3, 4] tokens, D strided
-    rows = kernels.modulation_rows(grid, torch.empty(2, 3, 4, 8, device="cuda"))
-    assert rows.shape == (2, 12, 8) and rows.stride(-1) == 1 and torch.equal(rows.view(2, 3, 4, 8), grid)
+    assert kernels.modulation_view(shared, x) == (shared.data_ptr(), 0, 0, None)
+    batch1 = torch.randn(1, 5, 8, device="cuda")
+    assert kernels.modulation_view(batch1, x) == (batch1.data_ptr(), 0, 8, None)
+    x4 = torch.empty(2, 3, 4, 8, device="cuda")
+    grid = torch.randn(2, 3, 4, 16, device="cuda").chunk(2, dim=-1)[0]  # per-token over [3, 4] tokens
+    assert kernels.modulation_view(grid, x4) == (grid.data_ptr(), 192, 16, None)
+    permuted = torch.randn(2, 8, 3, 4, device="cuda").permute(0, 2, 3, 1)  # D strided
+    ptr, sb, sn, copy = kernels.modulation_view(permuted, x4)
+    assert copy.shape == (2, 12, 8) and (ptr, sb, sn) == (copy.data_ptr(), 96, 8)
+    assert torch.equal(copy.view(2, 3, 4, 8), permuted)
+    expanded = torch.randn(2, 1, 8, device="cuda").expand(2, 5, 8)  # per token, every token the same row
+    ptr, sb, sn, copy = kernels.modulation_view(expanded, x)
+    assert (ptr, sb, sn) == (copy.data_ptr(), 40, 8) and torch.equal(copy, expanded)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("x_shape", [(2, 7, 64), (2, 3, 5, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shift_layout", [None, EXPANDED_PER_TOKEN, "per-sample"])
+def test_expanded_per_token_modulation(device, x_shape, dtype, shift_layout):
+    """Scale (and shift) as ``m.expand(B, *tokens, D)`` of one row a sample: y as per-sample, but each
+    gradient per token (autograd sums it over the expanded dims), against float64."""
+    if device == "cuda" and extension.kernels() is None:
+        pytest.skip("the CUDA kernels could not be built")
+    check_against_float64(x_shape, dtype, EXPANDED_PER_TOKEN, shift_layout, True, device, 5)
 
 
 @pytest.mark.cuda

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from adaptiveload.ops import _tuning, extension
 from adaptiveload.ops.residual_norm_modulate import op as residual_op
-from adaptiveload.ops.testing import (GRAD_LAYOUTS, LAYOUTS, OPCHECK_UTILS, TOL, assert_rel, check_backward_strides,
-                                       check_op_against_float64, lay_out_grad, make_mod, property_strategies, rel_err)
+from adaptiveload.ops.testing import (EXPANDED_PER_TOKEN, GRAD_LAYOUTS, LAYOUTS, OPCHECK_UTILS, TOL, assert_rel,
+                                       check_backward_strides, check_op_against_float64, lay_out_grad, make_mod,
+                                       property_strategies, rel_err)
 
 EPS = 1e-6
 OPS = {"layer_norm": torch.ops.adaptiveload.residual_adaln_modulate,
@@ -406,6 +407,16 @@ def test_kernels_match_float64(kernels, norm, dtype, case):
     c = _cuda_case(case)
     check_against_float64(norm, c["x_shape"], dtype, gate_layout, modulation, c["scale_layout"], c["shift_layout"],
                           c["affine"], case, c["grad_layout"], c["with_dr"], device="cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("norm", sorted(OPS))
+def test_expanded_per_token_gate_and_modulation(device, norm):
+    """Gate, scale and shift as ``m.expand(B, *tokens, D)`` of one row a sample: each gradient per token."""
+    if device == "cuda" and extension.kernels() is None:
+        pytest.skip("the CUDA kernels could not be built")
+    check_against_float64(norm, (2, 3, 5, 1536), torch.bfloat16, EXPANDED_PER_TOKEN, "scale+shift",
+                          EXPANDED_PER_TOKEN, EXPANDED_PER_TOKEN, True, 8, device=device)
 
 
 @pytest.mark.cuda

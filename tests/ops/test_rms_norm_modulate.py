@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 import adaptiveload  # noqa: F401  (registers torch.ops.adaptiveload.*)
 from adaptiveload.ops import _tuning, extension
 from adaptiveload.ops.rms_norm_modulate import op as rms_op
-from adaptiveload.ops.testing import (GRAD_LAYOUTS, LAYOUTS, OPCHECK_UTILS, TOL, assert_rel, check_backward_strides,
-                                       check_op_against_float64, lay_out_grad, make_mod, property_strategies, rel_err)
+from adaptiveload.ops.testing import (EXPANDED_PER_TOKEN, GRAD_LAYOUTS, LAYOUTS, OPCHECK_UTILS, TOL, assert_rel,
+                                       check_backward_strides, check_op_against_float64, lay_out_grad, make_mod,
+                                       property_strategies, rel_err)
 
 EPS = 1e-6
 OP = torch.ops.adaptiveload.rms_norm_modulate
@@ -235,6 +236,15 @@ def test_kernels_two_kernel_backward(kernels, B, tokens, D, scale_layout, shift_
     the kernels would take one pass, and at D = 12288, where it is their own choice."""
     with _tuning.override(two_kernel=True):
         check_against_float64((B, *tokens, D), torch.bfloat16, scale_layout, shift_layout, True, "cuda", 3)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("shift_layout", [None, EXPANDED_PER_TOKEN])
+def test_expanded_per_token_modulation(device, shift_layout):
+    """Scale (and shift) as ``m.expand(B, *tokens, D)`` of one row a sample: the gradient per token."""
+    if device == "cuda" and extension.kernels() is None:
+        pytest.skip("the CUDA kernels could not be built")
+    check_against_float64((2, 3, 5, 2048), torch.bfloat16, EXPANDED_PER_TOKEN, shift_layout, False, device, 4)
 
 
 @pytest.mark.cuda
