@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI step: compile every .cu file of the kernel sources (csrc/ and its subfolders) for sm_90 against
 # the installed torch's headers, so a kernel that does not compile fails CI even on a machine without
-# a GPU. The CPU torch wheel lacks the generated CUDA macros header, hence
+# a GPU, in C++20 (the standard torch 2.13's cpp_extension builds them in, and that torch 2.14's headers
+# require, pytorch/pytorch#178150). The CPU torch wheel lacks the generated CUDA macros header, hence
 # -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE. Prints a line and skips (exit 0) where nvcc is absent; exits
 # non-zero when a file does not compile (after all have been tried), printing its log.
 # Usage: .ci/compile_cuda.sh [python [source-dir [file.cu ...]]]
@@ -42,7 +43,7 @@ pids=()
 for f in "${FILES[@]}"; do
   obj="$OUTDIR/${f//\//__}"  # a/b.cu -> a__b.cu: files of one name in two subfolders do not collide
   (
-    nvcc -std=c++17 -arch=sm_90 -O3 -c "$SRC/$f" -o "$obj.o" \
+    nvcc -std=c++20 -arch=sm_90 -O3 -c "$SRC/$f" -o "$obj.o" \
       $INC -I"$PYINC" -I"$SRC" -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -D_GLIBCXX_USE_CXX11_ABI="$ABI" \
       -DTORCH_EXTENSION_NAME=adaln_check --expt-relaxed-constexpr "${EXTRA[@]}" \
       >"$obj.log" 2>&1 && echo "compile_cuda: ok   $SRC/$f" || { echo "compile_cuda: FAIL $SRC/$f"; cat "$obj.log"; exit 1; }

@@ -4,7 +4,7 @@ The sources ship with the package (``adaptiveload/_csrc`` in a wheel, see :func:
 is compiled at install time. Every ``.cu`` file under the source folder, subfolders included, is
 compiled with :func:`torch.utils.cpp_extension.load` (ninja), the folder itself on the include path,
 into a cache folder keyed by torch version, CUDA version, GPU architecture and a hash of every
-source file (paths and contents):
+source file (paths and contents) and of the compiler flags:
 
     $ADAPTIVELOAD_CACHE (default ~/.cache/adaptiveload) / torch<ver>-cu<ver>-sm<arch>-<hash>/
 
@@ -43,8 +43,10 @@ import torch
 logger = logging.getLogger("adaptiveload.ops")
 
 _MODULE_NAME = "adaptiveload_adaln_kernels"
-# -O3 for the device code; the kernels use constexpr helpers from host and device code
-_NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-std=c++17", "-lineinfo"]
+# -O3 for the device code; the kernels use constexpr helpers from host and device code. No -std: the C++
+# standard is torch's own (cpp_extension adds C++20 where this torch's headers ask for it; torch 2.14's
+# ATen headers reject anything older, pytorch/pytorch#178150).
+_NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
 #: Each op's Python CUDA path by op name (validation, then the kernels or the reference), set by the op
 #: modules on import; the loaded kernels get them (``register_dispatch``) for the calls they do not take.
@@ -119,6 +121,7 @@ def cache_dir() -> Path:
     for path in source_files(src):
         for part in (path.relative_to(src).as_posix().encode(), path.read_bytes()):
             digest.update(len(part).to_bytes(8, "little") + part)
+    digest.update(" ".join(_NVCC_FLAGS).encode())
     arch = "".join(c if c.isalnum() else "_" for c in arch_list().replace(".", ""))
     key = f"torch{torch.__version__}-cu{torch.version.cuda}-sm{arch}-{digest.hexdigest()[:12]}"
     return base / key.replace("+", "_")
