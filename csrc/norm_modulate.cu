@@ -354,6 +354,8 @@ ScaleShift segment_rows(const Tensor& x3, const Tensor& scale, const optional<Te
   s.dtype = keep ? st : at::kFloat;
   s.segments = scale.size(0);
   auto rows = [&](const Tensor& m, Tensor& kept, const char* name) {
+    TORCH_CHECK(m.dim() >= 1 && m.size(0) == s.segments, "norm_modulate kernels: segmented ", name, " of shape ",
+                m.sizes(), " must have one row per segment, ", s.segments, " (scale's rows)");
     kept = m.to(s.dtype);
     if (kept.size(1) != 1 && kept.stride(1) != 1) kept = kept.contiguous();
     ModView v = seg_view(kept, x3, name);

@@ -82,7 +82,11 @@ KeptRows set_modulation(Args& a, const optional<Tensor>& gate, const optional<Te
     a.scale = segment_typed_rows(scale, like3, "scale", k.scale);
     a.shift = segment_typed_rows(shift, like3, "shift", k.shift);
     k.ids = segment_ids->contiguous();
-    a.seg = segment_ids_view(k.ids, like3, segment_count(gate, scale, shift));
+    const int64_t count = segment_count(gate, scale, shift);
+    for (const auto& [m, name] : {std::pair{&gate, "gate"}, std::pair{&scale, "scale"}, std::pair{&shift, "shift"}})
+      TORCH_CHECK(!m->has_value() || (*m)->size(0) == count, "residual kernels: segmented ", name, " of shape ",
+                  (*m)->sizes(), " must have one row per segment, ", count);
+    a.seg = segment_ids_view(k.ids, like3, count);
   } else {
     a.gate = typed_rows(gate, like, "gate", k.gate);
     a.scale = typed_rows(scale, like, "scale", k.scale);

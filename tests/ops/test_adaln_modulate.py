@@ -397,6 +397,54 @@ def test_expanded_per_token_modulation(device, x_shape, dtype, shift_layout):
     check_against_float64(x_shape, dtype, EXPANDED_PER_TOKEN, shift_layout, True, device, 5)
 
 
+def _strided(case: str, gen):
+    """(x shape, scale, shift) of a modulation layout that only its strides make unusual: each a view
+    the kernels read in place, or copy, through their own batch and token strides."""
+    def randn(*shape):
+        return 0.5 * torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    if case == "batch-minor-per-token":  # [N, B, D] memory seen as [B, N, D]: batch stride < token stride
+        return (3, 7, 64), randn(7, 3, 64).transpose(0, 1), randn(3, 128).chunk(2, -1)[1].unsqueeze(1)
+    if case == "size-1-token-dim":  # 5-D x; the modulation's size-1 token dim has a stride of its own
+        return (2, 1, 3, 5, 64), randn(2, 7, 3, 5, 64)[:, 2:3], None
+    if case == "batch-expanded-per-token":  # one [1, N, D] row set for every sample
+        return (3, 7, 64), randn(1, 7, 64).expand(3, 7, 64), randn(1, 7, 64).expand(3, 7, 64)
+    if case == "one-feature":  # D = 1, per-token rows of a chunk
+        return (2, 5, 1), randn(2, 5, 2)[..., 1:], randn(2, 1, 1)
+    if case == "two-dim-x":  # [B, D] x, the scale a .chunk() of a [B, 2D] embedding
+        return (6, 64), randn(6, 128).chunk(2, -1)[1], randn(6, 64)
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("case", ["batch-minor-per-token", "size-1-token-dim", "batch-expanded-per-token",
+                                  "one-feature", "two-dim-x"])
+@pytest.mark.parametrize("dtype, mod_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                              (torch.float32, torch.float32)])
+def test_modulation_in_any_strided_layout(device, case, dtype, mod_dtype):
+    """Modulation views whose strides alone are unusual, forward and every gradient against float64."""
+    if device == "cuda" and extension.kernels() is None:
+        pytest.skip("the CUDA kernels could not be built")
+    gen = torch.Generator().manual_seed(17)
+    x_shape, scale, shift = _strided(case, gen)
+
+    def place(m):  # the same view, of its base moved to the device in mod_dtype
+        if m is None:
+            return None
+        base = (m._base if m._base is not None else m).to(device, mod_dtype)
+        return base.as_strided(m.shape, m.stride(), m.storage_offset())
+
+    x = torch.randn(*x_shape, generator=gen, dtype=torch.float64).mul(2).add(0.3).to(device, dtype)
+    D = x_shape[-1]
+    weight = (1 + 0.3 * torch.randn(D, generator=gen, dtype=torch.float64)).to(device, dtype)
+    named = {"x": x, "weight": weight, "bias": None, "scale": place(scale), "shift": place(shift)}
+    dy = torch.randn(*x_shape, generator=gen, dtype=torch.float64).to(device, dtype)
+    check_op_against_float64(
+        named, lambda v: torch.ops.adaptiveload.adaln_modulate(v["x"], v["weight"], None, v["scale"], v.get("shift"),
+                                                               EPS, dtype),
+        lambda v: eager_chain(v["x"], v["weight"], None, v["scale"], v.get("shift")), dy, TOL[dtype])
+
+
 @pytest.mark.cuda
 @given(
     B=st.integers(1, 8),
