@@ -96,7 +96,8 @@ const float* affine_ptr(const optional<Tensor>& t, const Tensor& x, const char* 
   return v.data_ptr<float>();
 }
 
-bool mod_aligned(const ModView& v, int64_t esize) {
+bool mod_aligned(const ModView& v) {
+  const int64_t esize = dtype_bytes(v.t);
   return v.ptr == nullptr || (aligned16(v.ptr) && (v.sb * esize) % 16 == 0 && (v.sn * esize) % 16 == 0);
 }
 
@@ -416,9 +417,9 @@ void fill_rows(Args& a, Norm norm, const Tensor& x, const optional<Tensor>& weig
   a.D = static_cast<int>(D);
   a.max_threads = max_threads;
   a.stages = stages;
-  const int64_t vec = a.xt == DType::F32 ? 4 : 8, esize = c10::elementSize(ss.dtype);
+  const int64_t vec = a.xt == DType::F32 ? 4 : 8;
   a.aligned = D % vec == 0 && aligned16(a.x) && (!a.weight || aligned16(a.weight)) && (!a.bias || aligned16(a.bias)) &&
-              mod_aligned(a.scale, esize) && mod_aligned(a.shift, esize);
+              mod_aligned(a.scale) && mod_aligned(a.shift);
 }
 }  // namespace
 

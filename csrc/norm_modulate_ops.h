@@ -88,8 +88,8 @@ ModView seg_view(const at::Tensor& m, const at::Tensor& x, const char* name);
 Segments segment_ids_view(const at::Tensor& ids, const at::Tensor& x, int64_t count);
 void segment_starts(const at::Tensor& ids, int64_t segments, int64_t* start);
 at::Tensor segment_start_rows(const at::Tensor& ids, Segments& s);
-// Every row of v (of element size esize) 16-byte aligned; true for an absent one.
-bool mod_aligned(const ModView& v, int64_t esize);
+// Every row of v (of its dtype v.t) 16-byte aligned; true for an absent one.
+bool mod_aligned(const ModView& v);
 // The size of modulation t at x's dim i, t broadcast against x (right-aligned): 1 where t has none.
 int64_t bcast_size(const at::Tensor& t, const at::Tensor& x, int64_t i);
 // A modulation with a token dim other than 1 (per-token).

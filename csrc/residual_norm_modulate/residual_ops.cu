@@ -62,8 +62,6 @@ int64_t segment_count(const optional<Tensor>& gate, const optional<Tensor>& scal
   return 0;
 }
 
-bool rows_aligned(const ModView& v) { return mod_aligned(v, v.t == DType::F32 ? 4 : 2); }
-
 // What the launch reads of gate, scale and shift (and segment_ids), kept alive until it.
 struct KeptRows {
   Tensor gate, scale, shift, ids;
@@ -136,7 +134,7 @@ std::vector<Tensor> residual_op_forward(Norm norm, const Tensor& x, const Tensor
   a.rstd = rstd.data_ptr<float>();
   a.aligned = D % kResVec == 0 && aligned16(a.x) && aligned16(a.y) && aligned16(a.r) && aligned16(a.out) &&
               (!a.weight || aligned16(a.weight)) && (!a.bias || aligned16(a.bias)) &&
-              rows_aligned(a.gate) && rows_aligned(a.scale) && rows_aligned(a.shift);
+              mod_aligned(a.gate) && mod_aligned(a.scale) && mod_aligned(a.shift);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
   bool ran = false;
   with_row_type(r_dtype, [&](auto tag) {
@@ -214,7 +212,7 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
   auto al = [](const void* p) { return p == nullptr || aligned16(p); };
   a.aligned = D % kResVec == 0 && al(a.r) && al(a.dout) && al(a.dr) && al(a.y) && al(a.dx) && al(a.dy) &&
               al(a.dgate_el) && al(a.dscale_el) && al(a.dshift_el) && al(a.weight) && al(a.bias) &&
-              rows_aligned(a.gate) && rows_aligned(a.scale) && rows_aligned(a.shift);
+              mod_aligned(a.gate) && mod_aligned(a.scale) && mod_aligned(a.shift);
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(r.get_device()).stream();
   Tensor ws, rowsums, starts;
