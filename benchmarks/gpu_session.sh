@@ -39,7 +39,8 @@
 #   wan        benchmarks/bench_dit_step.py --model wan --profile (diffusers Wan 2.1 1.3B shape, 10 layers, training
 #              step: eager, Inductor and the backend, with each one's norm-site GPU time; needs diffusers as a wheel
 #              in .whl; WAN_ARGS, WAN_TIMEOUT) -> $OUT/wan_step_${WAN_TAG:-h200}.json / .md, wan_profile_*.txt
-#   ab         kernel_stages.py ${AB_STAGE:-ab} (ab: kernel timings; host: host time a call; calls: host time of
+#   ab         kernel_stages.py ${AB_STAGE:-ab} (ab: kernel timings; columns: GPU µs of each backward kernel at the
+#              models' row counts; host: host time a call; calls: host time of
 #              a direct call of each op's forward and backward) for AB_BASE
 #              (a folder with another version's adaptiveload/ and csrc/, built into its own cache beside
 #              this one's) and for this checkout, in turn three times -> $OUT/ab.log (both stages force

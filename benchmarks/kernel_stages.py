@@ -21,6 +21,9 @@ with the private adaptiveload.ops._tuning.override (its keywords in parentheses 
          rms_norm_modulate, Wan's 12 x 1,560 at D = 1536 and 4 x 1,024 at D = 3072 with adaln_modulate;
          per-sample modulation) by ring slots (0: the register path), thread cap and short blocks, and
          forward + backward against Inductor's compiled chain
+  columns  GPU µs of each kernel of the backwards (row, column-reduction and totals kernels) at LTX-Video's and
+         Wan's row counts (stage_columns); forces nothing, so with gpu_session.sh ab (AB_STAGE=columns) it
+         compares two builds
   host   host time of one forward+backward call per implementation (bench_adaln.host_time_us)
   calls  host time (µs) of one direct call of each op's forward and backward, calls issued with no sync
          between them (the C++ dispatcher path, no autograd): rms_norm_modulate at LTX-Video's (8, 384,
@@ -35,7 +38,7 @@ with the private adaptiveload.ops._tuning.override (its keywords in parentheses 
 
 Times are triton.testing.do_bench medians (ms) and fractions of speed-of-light: bytes that must move
 (per-sample forward 2, backward 3 x-sized tensors; per-token 4 and 6) / measured copy bandwidth.
-Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,ab,store,tail,small,host,calls}
+Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,ab,store,tail,small,columns,host,calls}
 """
 from __future__ import annotations
 
@@ -276,6 +279,62 @@ def stage_small(tt, op, bwd, bw):
               f"{ind:.4f} ms ({100 * (sol_f + sol_b) / ind:.0f}%), fused / Inductor {fus / ind:.2f}", flush=True)
 
 
+def stage_columns(tt, op, bwd, bw):
+    """GPU µs of every kernel of the backwards at the models' row counts (per-sample modulation; torch.profiler,
+    mean of 50 calls): rms_norm_modulate at LTX-Video's (8, 384) and (1, 6144), D = 2048, bf16 modulation;
+    adaln_modulate (Wan's norm1), the gated residual_adaln_modulate (norm3) and the plain residual into an affine
+    LayerNorm (norm2) at Wan's 12 x 1,560 and 1 x 46,800, D = 1536, fp32 .chunk() modulation. Forces nothing:
+    with gpu_session.sh ab (AB_STAGE=columns) it compares two builds' row, column-reduction and totals kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ops, bf = torch.ops.adaptiveload, torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, dtype=bf):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+    def kernels_us(fn, calls=50):
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return {e.key.split("<")[0].replace("void ", "").replace("adaln::", ""): e.device_time_total / calls
+                for e in events if e.device_time_total > 0}
+
+    cases = {}
+    for B, N in ((8, 384), (1, 6144)):
+        x, dy, temb, table = randn(B, N, 2048), randn(B, N, 2048), randn(B, 1, 4096), randn(2, 2048)
+        shift, scale = (table[None, None] + temb.reshape(B, 1, 2, 2048)).unbind(dim=2)
+        _, rstd = ops.rms_norm_modulate(x, None, scale, shift, EPS, bf)
+        cases[f"rms_norm_modulate_backward B={B} N={N} D=2048"] = (
+            lambda x=x, dy=dy, s=scale, h=shift, r=rstd: ops.rms_norm_modulate_backward(dy, x, None, s, h, r))
+    for B, N in ((12, 1560), (1, 46800)):
+        D = 1536
+        x, y, dy = randn(B, N, D), randn(B, N, D), randn(B, N, D)
+        c = [t.unsqueeze(1) for t in randn(B, 6 * D, dtype=torch.float32).chunk(6, dim=-1)]
+        w, b = randn(D, dtype=torch.float32), randn(D, dtype=torch.float32)
+        _, mean1, rstd1 = ops.adaln_modulate(x, None, None, c[0], c[1], EPS, bf)
+        r3, _, mean3, rstd3 = ops.residual_adaln_modulate(x, y, c[2], None, None, c[3], c[4], EPS, bf, bf)
+        r2, _, mean2, rstd2 = ops.residual_adaln_modulate(x, y, None, w, b, None, None, EPS, bf, bf)
+        shape = f"B={B} N={N} D={D}"
+        cases[f"adaln_modulate_backward {shape}"] = (
+            lambda x=x, dy=dy, c=c, m=mean1, r=rstd1: ops.adaln_modulate_backward(dy, x, None, None, c[0], c[1], m, r))
+        cases[f"residual_adaln_modulate_backward gated {shape}"] = (
+            lambda dy=dy, y=y, c=c, r3=r3, m=mean3, r=rstd3: ops.residual_adaln_modulate_backward(
+                dy, dy, r3, y, c[2], None, None, c[3], c[4], m, r, bf))
+        cases[f"residual_adaln_modulate_backward plain, affine {shape}"] = (
+            lambda dy=dy, w=w, b=b, r2=r2, m=mean2, r=rstd2: ops.residual_adaln_modulate_backward(
+                dy, dy, r2, None, None, w, b, None, None, m, r, bf))
+    for name, fn in cases.items():
+        us = kernels_us(fn)
+        print(f"{name}: total {sum(us.values()):.1f} us; " + "; ".join(f"{k} {v:.1f}" for k, v in us.items()),
+              flush=True)
+
+
 def op_calls_host_us(rounds: int = 9, calls: int = 1000) -> dict:
     """{call: (median, min) host µs} of the calls stage (see the module doc)."""
     import statistics
@@ -329,7 +388,8 @@ def op_calls_host_us(rounds: int = 9, calls: int = 1000) -> dict:
 
 
 STAGES = {"sweep": stage_sweep, "ring": stage_ring, "wide": stage_wide, "ab": stage_ab, "store": stage_store,
-          "tail": stage_tail, "small": stage_small}
+          "tail": stage_tail, "small": stage_small,
+          "columns": stage_columns}
 
 
 def main(argv=None) -> int:
