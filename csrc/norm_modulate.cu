@@ -72,13 +72,21 @@ DType to_dtype(const Tensor& t, const char* name) { return to_dtype(t.scalar_typ
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+std::string num(int64_t v) { return std::to_string(v); }
+
+std::string dims(at::IntArrayRef s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
 // x: [B, N, D] contiguous on CUDA.
 void check_x(const Tensor& x, const char* name) {
   TORCH_CHECK(x.is_cuda(), "norm_modulate kernels: ", name, " must be a CUDA tensor, got device ", x.device());
-  TORCH_CHECK(x.dim() == 3, "norm_modulate kernels: ", name, " must be viewed as [B, N, D], got shape ", x.sizes());
-  TORCH_CHECK(x.is_contiguous(), "norm_modulate kernels: ", name, " must be contiguous, got strides ", x.strides());
+  TORCH_CHECK(x.dim() == 3, "norm_modulate kernels: ", name, " must be viewed as [B, N, D], got shape ", dims(x.sizes()));
+  TORCH_CHECK(x.is_contiguous(), "norm_modulate kernels: ", name, " must be contiguous, got strides ", dims(x.strides()));
   TORCH_CHECK(x.size(0) > 0 && x.size(1) > 0 && x.size(2) > 0, "norm_modulate kernels: ", name,
-              " must not be empty, got shape ", x.sizes());
+              " must not be empty, got shape ", dims(x.sizes()));
 }
 
 void check_same_device(const Tensor& t, const Tensor& x, const char* name) {
@@ -92,7 +100,8 @@ const float* affine_ptr(const optional<Tensor>& t, const Tensor& x, const char* 
   check_same_device(v, x, name);
   TORCH_CHECK(v.scalar_type() == at::kFloat, "norm_modulate kernels: ", name, " must be float32 here, got ", v.scalar_type());
   TORCH_CHECK(v.dim() == 1 && v.size(0) == x.size(2) && v.is_contiguous(), "norm_modulate kernels: ", name,
-              " must be a contiguous [", x.size(2), "] tensor, got shape ", v.sizes(), " strides ", v.strides());
+              " must be a contiguous [", num(x.size(2)), "] tensor, got shape ", dims(v.sizes()),
+              " strides ", dims(v.strides()));
   return v.data_ptr<float>();
 }
 
@@ -105,8 +114,8 @@ bool mod_aligned(const ModView& v) {
 ModView seg_view(const Tensor& m, const Tensor& x, const char* name) {
   check_same_device(m, x, name);
   TORCH_CHECK(m.dim() == 2 && m.size(1) == x.size(2) && (m.stride(1) == 1 || m.size(1) == 1),
-              "norm_modulate kernels: segmented ", name, " must be [segments, ", x.size(2),
-              "] with unit stride along D, got shape ", m.sizes(), " strides ", m.strides());
+              "norm_modulate kernels: segmented ", name, " must be [segments, ", num(x.size(2)),
+              "] with unit stride along D, got shape ", dims(m.sizes()), " strides ", dims(m.strides()));
   ModView v;
   v.ptr = m.data_ptr();
   v.sb = m.stride(0);
@@ -116,11 +125,12 @@ ModView seg_view(const Tensor& m, const Tensor& x, const char* name) {
 // segment_ids: int32 / int64 [T], contiguous, on x's device (x viewed as [1, T, D]), of `count` segments.
 Segments segment_ids_view(const Tensor& ids, const Tensor& x, int64_t count) {
   check_same_device(ids, x, "segment_ids");
-  TORCH_CHECK(x.size(0) == 1, "norm_modulate kernels: a segmented x must be viewed as [1, T, D], got ", x.sizes());
+  TORCH_CHECK(x.size(0) == 1, "norm_modulate kernels: a segmented x must be viewed as [1, T, D], got ",
+              dims(x.sizes()));
   TORCH_CHECK((ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong) && ids.dim() == 1 &&
                   ids.size(0) == x.size(1) && ids.is_contiguous(),
-              "norm_modulate kernels: segment_ids must be a contiguous int32 or int64 [", x.size(1), "], got shape ",
-              ids.sizes(), " dtype ", ids.scalar_type());
+              "norm_modulate kernels: segment_ids must be a contiguous int32 or int64 [", num(x.size(1)), "], got shape ",
+              dims(ids.sizes()), " dtype ", ids.scalar_type());
   Segments s;
   s.ids = ids.data_ptr();
   s.ids64 = ids.scalar_type() == at::kLong;
@@ -192,8 +202,7 @@ Tuning tuning() {
 // A return value rather than an exception: the Python layer (_tuning.override) raises the ValueError.
 std::string set_tuning(int64_t max_threads, int64_t fwd_stages, int64_t bwd_stages, int64_t store, int64_t tail_pct,
                        int64_t tail_rows, bool two_kernel) {
-  // The message is put together with std::to_string, not c10::str: a c10::str (and so a failing
-  // TORCH_CHECK) in this binding crashed the process on the H200 machine (torch 2.11, segmentation fault).
+  // (The messages use std::to_string: see num() in norm_modulate_ops.h.)
   static_assert(kMaxThreads == 512 && kMaxStages == 8, "set_tuning's messages name these limits");
   auto bad = [](const char* what, int64_t got) {
     return std::string("set_tuning: ") + what + ", got " + std::to_string(got);
@@ -236,8 +245,8 @@ std::string set_tuning(int64_t max_threads, int64_t fwd_stages, int64_t bwd_stag
 // The size of modulation `t` at x's dim i, t broadcast against x (right-aligned): 1 where t has
 // no such dim. Sizes only, so the launch path creates no tensor to answer it.
 int64_t bcast_size(const Tensor& t, const Tensor& x, int64_t i) {
-  TORCH_CHECK(t.dim() >= 1 && t.dim() <= x.dim(), "norm_modulate kernels: a modulation of shape ", t.sizes(),
-              " does not broadcast over x of shape ", x.sizes());
+  TORCH_CHECK(t.dim() >= 1 && t.dim() <= x.dim(), "norm_modulate kernels: a modulation of shape ", dims(t.sizes()),
+              " does not broadcast over x of shape ", dims(x.sizes()));
   const int64_t j = i - (x.dim() - t.dim());
   return j < 0 ? 1 : t.size(j);
 }
@@ -313,8 +322,8 @@ bool strides_in_place(const Tensor& t, const Tensor& x, ModView& v) {
 
 ModView mod_rows(const Tensor& t, const Tensor& x, at::ScalarType dt, const char* name, Tensor& keep) {
   check_same_device(t, x, name);
-  TORCH_CHECK(layout_ok(t, x), "norm_modulate kernels: ", name, " of shape ", t.sizes(),
-              " is not a modulation layout (per-sample, per-token or shared) of x of shape ", x.sizes());
+  TORCH_CHECK(layout_ok(t, x), "norm_modulate kernels: ", name, " of shape ", dims(t.sizes()),
+              " is not a modulation layout (per-sample, per-token or shared) of x of shape ", dims(x.sizes()));
   ModView v;
   if (t.scalar_type() == dt && strides_in_place(t, x, v)) {
     v.ptr = t.data_ptr();
@@ -356,7 +365,7 @@ ScaleShift segment_rows(const Tensor& x3, const Tensor& scale, const optional<Te
   s.segments = scale.size(0);
   auto rows = [&](const Tensor& m, Tensor& kept, const char* name) {
     TORCH_CHECK(m.dim() >= 1 && m.size(0) == s.segments, "norm_modulate kernels: segmented ", name, " of shape ",
-                m.sizes(), " must have one row per segment, ", s.segments, " (scale's rows)");
+                dims(m.sizes()), " must have one row per segment, ", num(s.segments), " (scale's rows)");
     kept = m.to(s.dtype);
     if (kept.size(1) != 1 && kept.stride(1) != 1) kept = kept.contiguous();
     ModView v = seg_view(kept, x3, name);
@@ -400,7 +409,7 @@ void fill_rows(Args& a, Norm norm, const Tensor& x, const optional<Tensor>& weig
   check_x(x, "x");
   const int64_t D = x.size(2);
   a.xt = to_dtype(x, "x");
-  TORCH_CHECK(D <= max_features(a.xt), "norm_modulate kernels: D = ", D, " exceeds the kernel's ", max_features(a.xt),
+  TORCH_CHECK(D <= max_features(a.xt), "norm_modulate kernels: D = ", num(D), " exceeds the kernel's ", num(max_features(a.xt)),
               " features for ", x.scalar_type());
   TORCH_CHECK(ss.dtype == x.scalar_type() || ss.dtype == at::kFloat, "norm_modulate kernels: scale and shift must be ",
               "read as float32 or x's dtype ", x.scalar_type(), ", got ", ss.dtype);
@@ -476,8 +485,8 @@ std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x,
                                 const optional<Tensor>& segment_ids) {
   const bool segmented = segment_ids.has_value();
   const int64_t D = x.size(-1);
-  TORCH_CHECK(dy_in.sizes() == x.sizes(), "norm_modulate kernels (backward): dy shape ", dy_in.sizes(),
-              " must equal x shape ", x.sizes());
+  TORCH_CHECK(dy_in.sizes() == x.sizes(), "norm_modulate kernels (backward): dy shape ", dims(dy_in.sizes()),
+              " must equal x shape ", dims(x.sizes()));
   const Tensor x3 = x.contiguous().view({segmented ? 1 : x.size(0), -1, D});
   const Tensor dy =
       (dy_in.scalar_type() == x.scalar_type() || dy_in.scalar_type() == at::kFloat ? dy_in : dy_in.to(at::kFloat))
@@ -501,8 +510,8 @@ std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x,
     if (s == nullptr) continue;
     const char* name = s == &rstd_rows ? "rstd" : "mean";
     check_same_device(*s, x, name);
-    TORCH_CHECK(s->numel() == B * N, "norm_modulate kernels (backward): ", name, " must have ", B * N,
-                " elements (one per row), got shape ", s->sizes());
+    TORCH_CHECK(s->numel() == B * N, "norm_modulate kernels (backward): ", name, " must have ", num(B * N),
+                " elements (one per row), got shape ", dims(s->sizes()));
   }
   c10::cuda::CUDAGuard guard(x.device());
   a.dy = dy.data_ptr();

@@ -6,6 +6,7 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 #include "norm_modulate.cuh"
@@ -73,6 +74,14 @@ Tuning tuning();
 
 // Helpers of the CUDA bodies (norm_modulate.cu), shared with the residual ops' (TORCH_CHECKs there
 // guard what the callers have already checked).
+// Integers and shapes for TORCH_CHECK messages, formatted by std::to_string, never by a stream: on a
+// host whose g++ links libstdc++ into the extension statically (the H200 machine's: the built module
+// needs no libstdc++.so), writing a number to a std::ostream -- c10::str, so any TORCH_CHECK message
+// with an integer or a shape -- ends the process with a segmentation fault, as in a minimal extension
+// that only formats an int; text and devices pass through. (Static libstdc++ in a shared object and
+// the locale's number facets: ggml-org/llama.cpp#22434, crosstool-ng/crosstool-ng#2478.)
+std::string num(int64_t v);
+std::string dims(at::IntArrayRef s);  // "[2, 3]"
 DType to_dtype(at::ScalarType t, const char* name);
 DType to_dtype(const at::Tensor& t, const char* name);
 bool aligned16(const void* p);

@@ -83,7 +83,7 @@ KeptRows set_modulation(Args& a, const optional<Tensor>& gate, const optional<Te
     const int64_t count = segment_count(gate, scale, shift);
     for (const auto& [m, name] : {std::pair{&gate, "gate"}, std::pair{&scale, "scale"}, std::pair{&shift, "shift"}})
       TORCH_CHECK(!m->has_value() || (*m)->size(0) == count, "residual kernels: segmented ", name, " of shape ",
-                  (*m)->sizes(), " must have one row per segment, ", count);
+                  dims((*m)->sizes()), " must have one row per segment, ", num(count));
     a.seg = segment_ids_view(k.ids, like3, count);
   } else {
     a.gate = typed_rows(gate, like, "gate", k.gate);
