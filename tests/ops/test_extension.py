@@ -1,6 +1,6 @@
 """Tests of the kernels' JIT build plumbing: source discovery (subfolders included), cache keys, the
-file lock, the one-time fallback warning, ADAPTIVELOAD_REQUIRE_KERNEL, and the no-atomics rule for
-csrc/."""
+file lock, the one-time fallback warning, ADAPTIVELOAD_REQUIRE_KERNEL, and two rules for csrc/: no atomics,
+and TORCH_CHECK messages of text only (numbers and shapes through num() / dims())."""
 from __future__ import annotations
 
 import os
@@ -33,6 +33,61 @@ def test_no_atomics_in_csrc():
     assert any(f.suffix == ".cu" for f in files)
     offenders = [str(f.relative_to(src)) for f in files if re.search(r"\batomic\w*\s*\(", f.read_text())]
     assert offenders == []
+
+
+def _macro_arguments(text: str, start: int) -> list[str]:
+    """The top-level, comma-separated arguments of the macro call whose "(" is at text[start]."""
+    args, depth, quote, current, i = [], 0, None, "", start + 1
+    while i < len(text):
+        c = text[i]
+        if quote:
+            current += c
+            if c == "\\":
+                current += text[i + 1]
+                i += 1
+            elif c == quote:
+                quote = None
+        elif c in "\"'":
+            quote, current = c, current + c
+        elif c in "([{":
+            depth, current = depth + 1, current + c
+        elif c in ")]}" and depth > 0:
+            depth, current = depth - 1, current + c
+        elif c == ")":
+            return [*args, current.strip()]
+        elif c == "," and depth == 0:
+            args, current = [*args, current.strip()], ""
+        else:
+            current += c
+        i += 1
+    raise AssertionError("unbalanced macro call")
+
+
+# What a TORCH_CHECK message may hold besides string literals: num(...) / dims(...), devices and dtypes
+# (formatted by libc10 or as text), and these names, which are text (const char*) or a ScalarType.
+_TEXT_PARTS = re.compile(r'(?:"(?:[^"\\]|\\.)*"\s*)+|(?:num|dims)\(.*\)|.*\.device\(\)|.*scalar_type\(\)|'
+                         r'name|names\[i\]|t|ss\.dtype|\w+ == [\w:]+ \? "[^"]*" : "[^"]*"', re.S)
+
+
+def test_check_messages_in_csrc_hold_no_number_or_shape_but_through_num_or_dims():
+    """TORCH_CHECK writes its message into a std::ostream; where the extension carries a static libstdc++
+    a number written so is lost or ends the process (norm_modulate_ops.h), so numbers and shapes go
+    through num() and dims(), which use std::to_string."""
+    src = extension.source_dir()
+    offenders, checks = [], 0
+    for f in extension.source_files(src):
+        text = f.read_text()
+        for m in re.finditer(r"\bTORCH_CHECK\s*\(", text):
+            if text[:m.start()].rsplit("\n", 1)[-1].lstrip().startswith("//"):
+                continue  # (a comment naming the macro)
+            checks += 1
+            line = text.count("\n", 0, m.start()) + 1
+            for part in _macro_arguments(text, m.end() - 1)[1:]:
+                if not _TEXT_PARTS.fullmatch(part):
+                    offenders.append(f"{f.relative_to(src)}:{line}: {' '.join(part.split())}")
+    assert checks > 20
+    assert offenders == [], "message parts that are not text (wrap numbers in num(), shapes in dims()):\n" + \
+        "\n".join(offenders)
 
 
 def test_source_dir_is_the_checkout_csrc():
