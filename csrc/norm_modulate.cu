@@ -58,12 +58,13 @@ bool launch_forward(const FwdArgs& a, cudaStream_t stream) {
 using at::Tensor;
 using c10::optional;
 
-DType to_dtype(at::ScalarType t, const char* name) {
-  switch (t) {
+DType to_dtype(at::ScalarType dtype, const char* name) {
+  switch (dtype) {
     case at::kFloat: return DType::F32;
     case at::kBFloat16: return DType::BF16;
     case at::kHalf: return DType::F16;
-    default: TORCH_CHECK(false, "norm_modulate kernels: ", name, " must be float32, bfloat16 or float16, got ", t);
+    default:
+      TORCH_CHECK(false, "norm_modulate kernels: ", name, " must be float32, bfloat16 or float16, got ", dtype);
   }
   return DType::F32;
 }
@@ -71,8 +72,6 @@ DType to_dtype(at::ScalarType t, const char* name) {
 DType to_dtype(const Tensor& t, const char* name) { return to_dtype(t.scalar_type(), name); }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-std::string num(int64_t v) { return std::to_string(v); }
 
 std::string dims(at::IntArrayRef s) {
   std::string out = "[";
@@ -83,8 +82,10 @@ std::string dims(at::IntArrayRef s) {
 // x: [B, N, D] contiguous on CUDA.
 void check_x(const Tensor& x, const char* name) {
   TORCH_CHECK(x.is_cuda(), "norm_modulate kernels: ", name, " must be a CUDA tensor, got device ", x.device());
-  TORCH_CHECK(x.dim() == 3, "norm_modulate kernels: ", name, " must be viewed as [B, N, D], got shape ", dims(x.sizes()));
-  TORCH_CHECK(x.is_contiguous(), "norm_modulate kernels: ", name, " must be contiguous, got strides ", dims(x.strides()));
+  TORCH_CHECK(x.dim() == 3, "norm_modulate kernels: ", name, " must be viewed as [B, N, D], got shape ",
+              dims(x.sizes()));
+  TORCH_CHECK(x.is_contiguous(), "norm_modulate kernels: ", name, " must be contiguous, got strides ",
+              dims(x.strides()));
   TORCH_CHECK(x.size(0) > 0 && x.size(1) > 0 && x.size(2) > 0, "norm_modulate kernels: ", name,
               " must not be empty, got shape ", dims(x.sizes()));
 }
@@ -129,8 +130,8 @@ Segments segment_ids_view(const Tensor& ids, const Tensor& x, int64_t count) {
               dims(x.sizes()));
   TORCH_CHECK((ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong) && ids.dim() == 1 &&
                   ids.size(0) == x.size(1) && ids.is_contiguous(),
-              "norm_modulate kernels: segment_ids must be a contiguous int32 or int64 [", num(x.size(1)), "], got shape ",
-              dims(ids.sizes()), " dtype ", ids.scalar_type());
+              "norm_modulate kernels: segment_ids must be a contiguous int32 or int64 [", num(x.size(1)),
+              "], got shape ", dims(ids.sizes()), " dtype ", ids.scalar_type());
   Segments s;
   s.ids = ids.data_ptr();
   s.ids64 = ids.scalar_type() == at::kLong;
@@ -409,7 +410,8 @@ void fill_rows(Args& a, Norm norm, const Tensor& x, const optional<Tensor>& weig
   check_x(x, "x");
   const int64_t D = x.size(2);
   a.xt = to_dtype(x, "x");
-  TORCH_CHECK(D <= max_features(a.xt), "norm_modulate kernels: D = ", num(D), " exceeds the kernel's ", num(max_features(a.xt)),
+  TORCH_CHECK(D <= max_features(a.xt), "norm_modulate kernels: D = ", num(D), " exceeds the kernel's ",
+              num(max_features(a.xt)),
               " features for ", x.scalar_type());
   TORCH_CHECK(ss.dtype == x.scalar_type() || ss.dtype == at::kFloat, "norm_modulate kernels: scale and shift must be ",
               "read as float32 or x's dtype ", x.scalar_type(), ", got ", ss.dtype);

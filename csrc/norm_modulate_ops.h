@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "norm_modulate.cuh"
@@ -80,9 +81,13 @@ Tuning tuning();
 // with an integer or a shape -- ends the process with a segmentation fault, as in a minimal extension
 // that only formats an int; text and devices pass through. (Static libstdc++ in a shared object and
 // the locale's number facets: ggml-org/llama.cpp#22434, crosstool-ng/crosstool-ng#2478.)
-std::string num(int64_t v);
+template <typename T>
+std::string num(T v) {
+  static_assert(std::is_integral<T>::value, "num() formats integers");
+  return std::to_string(static_cast<long long>(v));
+}
 std::string dims(at::IntArrayRef s);  // "[2, 3]"
-DType to_dtype(at::ScalarType t, const char* name);
+DType to_dtype(at::ScalarType dtype, const char* name);
 DType to_dtype(const at::Tensor& t, const char* name);
 bool aligned16(const void* p);
 // x: [B, N, D] contiguous on CUDA, not empty.

@@ -27,14 +27,14 @@ namespace {
 using at::Tensor;
 using c10::optional;
 
-// f(tag) with tag::type the kernels' row type for r of dtype t.
+// f(tag) with tag::type the kernels' row type for r of dtype `dtype`.
 template <typename F>
-void with_row_type(at::ScalarType t, const F& f) {
-  switch (t) {
+void with_row_type(at::ScalarType dtype, const F& f) {
+  switch (dtype) {
     case at::kFloat: f(F32Tag{}); break;
     case at::kBFloat16: f(BF16Tag{}); break;
     case at::kHalf: f(F16Tag{}); break;
-    default: TORCH_CHECK(false, "residual kernels: r must be float32, bfloat16 or float16, got ", t);
+    default: TORCH_CHECK(false, "residual kernels: r must be float32, bfloat16 or float16, got ", dtype);
   }
 }
 

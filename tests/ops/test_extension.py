@@ -35,56 +35,115 @@ def test_no_atomics_in_csrc():
     assert offenders == []
 
 
-def _macro_arguments(text: str, start: int) -> list[str]:
-    """The top-level, comma-separated arguments of the macro call whose "(" is at text[start]."""
-    args, depth, quote, current, i = [], 0, None, "", start + 1
+def _without_comments(text: str) -> str:
+    """C++ source with its // and /* */ comments blanked (newlines kept), string and char literals intact."""
+    out, i, quote = [], 0, None
     while i < len(text):
-        c = text[i]
+        c, two = text[i], text[i:i + 2]
         if quote:
-            current += c
+            out.append(c)
             if c == "\\":
-                current += text[i + 1]
+                out.append(text[i + 1])
                 i += 1
             elif c == quote:
                 quote = None
         elif c in "\"'":
-            quote, current = c, current + c
-        elif c in "([{":
-            depth, current = depth + 1, current + c
-        elif c in ")]}" and depth > 0:
-            depth, current = depth - 1, current + c
-        elif c == ")":
-            return [*args, current.strip()]
-        elif c == "," and depth == 0:
-            args, current = [*args, current.strip()], ""
+            quote = c
+            out.append(c)
+        elif two in ("//", "/*"):
+            stop = text.find("\n" if two == "//" else "*/", i + 2)
+            stop = len(text) if stop < 0 else stop + (0 if two == "//" else 2)
+            out.append(re.sub(r"[^\n]", " ", text[i:stop]))
+            i = stop
+            continue
         else:
-            current += c
+            out.append(c)
         i += 1
-    raise AssertionError("unbalanced macro call")
+    return "".join(out)
 
 
-# What a TORCH_CHECK message may hold besides string literals: num(...) / dims(...), devices and dtypes
-# (formatted by libc10 or as text), and these names, which are text (const char*) or a ScalarType.
-_TEXT_PARTS = re.compile(r'(?:"(?:[^"\\]|\\.)*"\s*)+|(?:num|dims)\(.*\)|.*\.device\(\)|.*scalar_type\(\)|'
-                         r'name|names\[i\]|t|ss\.dtype|\w+ == [\w:]+ \? "[^"]*" : "[^"]*"', re.S)
+def _closing(text: str, start: int) -> int:
+    """The index of the ")" that closes the "(" at text[start] (string and char literals skipped)."""
+    depth, quote, i = 0, None, start
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == "\\":
+                i += 1
+            elif c == quote:
+                quote = None
+        elif c in "\"'":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    raise AssertionError(f"unbalanced parentheses from {text[start:start + 60]!r}")
+
+
+def _macro_arguments(text: str, start: int) -> list[str]:
+    """The top-level, comma-separated arguments of the macro call whose "(" is at text[start]."""
+    end, args, depth, quote, current, i = _closing(text, start), [], 0, None, "", start
+    while i + 1 < end:
+        i += 1
+        c = text[i]
+        if quote:
+            if c == "\\":
+                current += c + text[i + 1]
+                i += 1
+                continue
+            if c == quote:
+                quote = None
+        elif c in "\"'":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            args.append(current.strip())
+            current = ""
+            continue
+        current += c
+    return [*args, current.strip()]
+
+
+# What a check's message may hold: string literals, num(...) / dims(...) as a whole argument, a tensor's
+# device or dtype (formatted by libc10 or as text), and these names, which are text (const char*) or a
+# ScalarType (printed as its name).
+_TEXT_PARTS = re.compile(r'(?:"(?:[^"\\]|\\.)*"\s*)+|\w+\.(?:device|scalar_type)\(\)|name|names\[i\]|dtype|ss\.dtype|'
+                         r'[\w:]+ == [\w:]+ \? "[^"]*" : "[^"]*"')
+_CHECKS = r"TORCH_CHECK|TORCH_CHECK_VALUE|TORCH_CHECK_INDEX|TORCH_CHECK_TYPE|TORCH_CHECK_NOT_IMPLEMENTED|TORCH_INTERNAL_ASSERT"
+
+
+def _text_part(part: str) -> bool:
+    m = re.match(r"(?:num|dims)\s*\(", part)
+    if m:  # the whole argument one call: num(a) * b is not
+        return _closing(part, m.end() - 1) == len(part) - 1
+    return _TEXT_PARTS.fullmatch(part) is not None
 
 
 def test_check_messages_in_csrc_hold_no_number_or_shape_but_through_num_or_dims():
     """TORCH_CHECK writes its message into a std::ostream; where the extension carries a static libstdc++
     a number written so is lost or ends the process (norm_modulate_ops.h), so numbers and shapes go
-    through num() and dims(), which use std::to_string."""
+    through num() and dims(), which use std::to_string. Also refused: the comparison checks
+    (TORCH_CHECK_EQ, ..., which print both numbers), and streams or c10::str anywhere in csrc/."""
     src = extension.source_dir()
     offenders, checks = [], 0
     for f in extension.source_files(src):
-        text = f.read_text()
-        for m in re.finditer(r"\bTORCH_CHECK\s*\(", text):
-            if text[:m.start()].rsplit("\n", 1)[-1].lstrip().startswith("//"):
-                continue  # (a comment naming the macro)
+        text = _without_comments(f.read_text())
+        where = lambda pos: f"{f.relative_to(src)}:{text.count(chr(10), 0, pos) + 1}"  # noqa: E731
+        for m in re.finditer(r"\b(?:TORCH_CHECK_(?:EQ|NE|LT|LE|GT|GE)|TORCH_WARN\w*|c10::str|std::\w*stringstream|"
+                             r"std::cout|std::cerr)\b", text):
+            offenders.append(f"{where(m.start())}: {m.group()} (formats numbers through a stream)")
+        for m in re.finditer(rf"\b(?:{_CHECKS})\s*\(", text):
             checks += 1
-            line = text.count("\n", 0, m.start()) + 1
             for part in _macro_arguments(text, m.end() - 1)[1:]:
-                if not _TEXT_PARTS.fullmatch(part):
-                    offenders.append(f"{f.relative_to(src)}:{line}: {' '.join(part.split())}")
+                if not _text_part(part):
+                    offenders.append(f"{where(m.start())}: {' '.join(part.split())}")
     assert checks > 20
     assert offenders == [], "message parts that are not text (wrap numbers in num(), shapes in dims()):\n" + \
         "\n".join(offenders)
