@@ -22,7 +22,7 @@ with the private adaptiveload.ops._tuning.override (its keywords in parentheses 
          per-sample modulation) by ring slots (0: the register path), thread cap and short blocks, and
          forward + backward against Inductor's compiled chain
   columns  GPU µs of each kernel of the backwards (row, column-reduction and totals kernels) at LTX-Video's and
-         Wan's row counts (stage_columns); forces nothing, so with gpu_session.sh ab (AB_STAGE=columns) it
+         Wan's norm sites (stage_columns); forces nothing, so with gpu_session.sh ab (AB_STAGE=columns) it
          compares two builds
   host   host time of one forward+backward call per implementation (bench_adaln.host_time_us)
   calls  host time (µs) of one direct call of each op's forward and backward, calls issued with no sync
@@ -282,8 +282,10 @@ def stage_small(tt, op, bwd, bw):
 def stage_columns(tt, op, bwd, bw):
     """GPU µs of every kernel of the backwards at the models' row counts (per-sample modulation; torch.profiler,
     mean of 50 calls): rms_norm_modulate at LTX-Video's (8, 384) and (1, 6144), D = 2048, bf16 modulation;
-    adaln_modulate (Wan's norm1), the gated residual_adaln_modulate (norm3) and the plain residual into an affine
-    LayerNorm (norm2) at Wan's 12 x 1,560 and 1 x 46,800, D = 1536, fp32 .chunk() modulation. Forces nothing:
+    Wan's three sites at its 12 x 1,560 and 1 x 46,800, D = 1536, fp32 .chunk() modulation (shift, scale, gate of
+    the attention, then of the FFN): adaln_modulate (norm1), residual_adaln_modulate with the attention's gate into
+    the affine LayerNorm without modulation (norm2), and the plain residual into the modulated norm (norm3). Kernels
+    of one name (template instances) are added up. Forces nothing:
     with gpu_session.sh ab (AB_STAGE=columns) it compares two builds' row, column-reduction and totals kernels."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -302,8 +304,12 @@ def stage_columns(tt, op, bwd, bw):
                 fn()
             torch.cuda.synchronize()
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        return {e.key.split("<")[0].replace("void ", "").replace("adaln::", ""): e.device_time_total / calls
-                for e in events if e.device_time_total > 0}
+        us = {}
+        for e in events:
+            if e.device_time_total > 0:
+                name = e.key.split("<")[0].replace("void ", "").replace("adaln::", "")
+                us[name] = us.get(name, 0.0) + e.device_time_total / calls
+        return us
 
     cases = {}
     for B, N in ((8, 384), (1, 6144)):
@@ -317,18 +323,18 @@ def stage_columns(tt, op, bwd, bw):
         x, y, dy = randn(B, N, D), randn(B, N, D), randn(B, N, D)
         c = [t.unsqueeze(1) for t in randn(B, 6 * D, dtype=torch.float32).chunk(6, dim=-1)]
         w, b = randn(D, dtype=torch.float32), randn(D, dtype=torch.float32)
-        _, mean1, rstd1 = ops.adaln_modulate(x, None, None, c[0], c[1], EPS, bf)
-        r3, _, mean3, rstd3 = ops.residual_adaln_modulate(x, y, c[2], None, None, c[3], c[4], EPS, bf, bf)
-        r2, _, mean2, rstd2 = ops.residual_adaln_modulate(x, y, None, w, b, None, None, EPS, bf, bf)
+        _, mean1, rstd1 = ops.adaln_modulate(x, None, None, c[1], c[0], EPS, bf)
+        r2, _, mean2, rstd2 = ops.residual_adaln_modulate(x, y, c[2], w, b, None, None, EPS, bf, bf)
+        r3, _, mean3, rstd3 = ops.residual_adaln_modulate(x, y, None, None, None, c[4], c[3], EPS, bf, bf)
         shape = f"B={B} N={N} D={D}"
-        cases[f"adaln_modulate_backward {shape}"] = (
-            lambda x=x, dy=dy, c=c, m=mean1, r=rstd1: ops.adaln_modulate_backward(dy, x, None, None, c[0], c[1], m, r))
-        cases[f"residual_adaln_modulate_backward gated {shape}"] = (
-            lambda dy=dy, y=y, c=c, r3=r3, m=mean3, r=rstd3: ops.residual_adaln_modulate_backward(
-                dy, dy, r3, y, c[2], None, None, c[3], c[4], m, r, bf))
-        cases[f"residual_adaln_modulate_backward plain, affine {shape}"] = (
-            lambda dy=dy, w=w, b=b, r2=r2, m=mean2, r=rstd2: ops.residual_adaln_modulate_backward(
-                dy, dy, r2, None, None, w, b, None, None, m, r, bf))
+        cases[f"adaln_modulate_backward (norm1) {shape}"] = (
+            lambda x=x, dy=dy, c=c, m=mean1, r=rstd1: ops.adaln_modulate_backward(dy, x, None, None, c[1], c[0], m, r))
+        cases[f"residual_adaln_modulate_backward gated, affine (norm2) {shape}"] = (
+            lambda dy=dy, y=y, c=c, w=w, b=b, r2=r2, m=mean2, r=rstd2: ops.residual_adaln_modulate_backward(
+                dy, dy, r2, y, c[2], w, b, None, None, m, r, bf))
+        cases[f"residual_adaln_modulate_backward plain, modulated (norm3) {shape}"] = (
+            lambda dy=dy, c=c, r3=r3, m=mean3, r=rstd3: ops.residual_adaln_modulate_backward(
+                dy, dy, r3, None, None, None, None, c[4], c[3], m, r, bf))
     for name, fn in cases.items():
         us = kernels_us(fn)
         print(f"{name}: total {sum(us.values()):.1f} us; " + "; ".join(f"{k} {v:.1f}" for k, v in us.items()),
