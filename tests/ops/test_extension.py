@@ -62,53 +62,46 @@ def _without_comments(text: str) -> str:
     return "".join(out)
 
 
-def _closing(text: str, start: int) -> int:
-    """The index of the ")" that closes the "(" at text[start] (string and char literals skipped)."""
+def _walk(text: str, start: int):
+    """(index, bracket depth before it) of each character from text[start] on; depth None inside a string
+    or char literal (escapes included)."""
     depth, quote, i = 0, None, start
     while i < len(text):
         c = text[i]
         if quote:
-            if c == "\\":
+            yield i, None
+            if c == "\\" and i + 1 < len(text):
                 i += 1
+                yield i, None
             elif c == quote:
                 quote = None
         elif c in "\"'":
             quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i
+            yield i, None
+        else:
+            yield i, depth
+            depth += (c in "([{") - (c in ")]}")
         i += 1
-    raise AssertionError(f"unbalanced parentheses from {text[start:start + 60]!r}")
+
+
+def _closing(text: str, start: int) -> int:
+    """The index of the bracket that closes the one at text[start]."""
+    for i, depth in _walk(text, start):
+        if depth == 1 and text[i] in ")]}":
+            return i
+    raise AssertionError(f"unbalanced brackets from {text[start:start + 60]!r}")
 
 
 def _macro_arguments(text: str, start: int) -> list[str]:
     """The top-level, comma-separated arguments of the macro call whose "(" is at text[start]."""
-    end, args, depth, quote, current, i = _closing(text, start), [], 0, None, "", start
-    while i + 1 < end:
-        i += 1
-        c = text[i]
-        if quote:
-            if c == "\\":
-                current += c + text[i + 1]
-                i += 1
-                continue
-            if c == quote:
-                quote = None
-        elif c in "\"'":
-            quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif c == "," and depth == 0:
-            args.append(current.strip())
-            current = ""
-            continue
-        current += c
-    return [*args, current.strip()]
+    end, cuts = _closing(text, start), [start]
+    for i, depth in _walk(text, start):
+        if i >= end:
+            break
+        if depth == 1 and text[i] == ",":
+            cuts.append(i)
+    cuts.append(end)
+    return [text[a + 1:b].strip() for a, b in zip(cuts, cuts[1:])]
 
 
 # What a check's message may hold: string literals, num(...) / dims(...) as a whole argument, a tensor's
