@@ -67,6 +67,28 @@ def per_token(B: int, N: int, D: int):
     return x, s, h
 
 
+def cuda_randn(seed: int = 0):
+    """randn(*shape, dtype=torch.bfloat16) on CUDA, every draw from one generator seeded with `seed`."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+    return randn
+
+
+def ltx_shift_scale(randn, B: int, D: int):
+    """LTX-Video's per-sample shift and scale [B, 1, D]: views of scale_shift_table [2, D] + temb [B, 1, 2D]."""
+    temb, table = randn(B, 1, 2 * D), randn(2, D)
+    return (table[None, None] + temb.reshape(B, 1, 2, D)).unbind(dim=2)
+
+
+def wan_chunks(randn, B: int, D: int) -> list:
+    """Wan's six per-sample modulations [B, 1, D], fp32 .chunk() views of one [B, 6D] tensor: shift, scale and
+    gate of the attention, then of the FFN."""
+    return [c.unsqueeze(1) for c in randn(B, 6 * D, dtype=torch.float32).chunk(6, dim=-1)]
+
+
 def median_ms(tt, fn) -> float:
     return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
@@ -289,11 +311,7 @@ def stage_columns(tt, op, bwd, bw):
     with gpu_session.sh ab (AB_STAGE=columns) it compares two builds' row, column-reduction and totals kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    ops, bf = torch.ops.adaptiveload, torch.bfloat16
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def randn(*shape, dtype=bf):
-        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+    ops, bf, randn = torch.ops.adaptiveload, torch.bfloat16, cuda_randn()
 
     def kernels_us(fn, calls=50):
         for _ in range(5):
@@ -313,15 +331,15 @@ def stage_columns(tt, op, bwd, bw):
 
     cases = {}
     for B, N in ((8, 384), (1, 6144)):
-        x, dy, temb, table = randn(B, N, 2048), randn(B, N, 2048), randn(B, 1, 4096), randn(2, 2048)
-        shift, scale = (table[None, None] + temb.reshape(B, 1, 2, 2048)).unbind(dim=2)
+        x, dy = randn(B, N, 2048), randn(B, N, 2048)
+        shift, scale = ltx_shift_scale(randn, B, 2048)
         _, rstd = ops.rms_norm_modulate(x, None, scale, shift, EPS, bf)
         cases[f"rms_norm_modulate_backward B={B} N={N} D=2048"] = (
             lambda x=x, dy=dy, s=scale, h=shift, r=rstd: ops.rms_norm_modulate_backward(dy, x, None, s, h, r))
     for B, N in ((12, 1560), (1, 46800)):
         D = 1536
         x, y, dy = randn(B, N, D), randn(B, N, D), randn(B, N, D)
-        c = [t.unsqueeze(1) for t in randn(B, 6 * D, dtype=torch.float32).chunk(6, dim=-1)]
+        c = wan_chunks(randn, B, D)
         w, b = randn(D, dtype=torch.float32), randn(D, dtype=torch.float32)
         _, mean1, rstd1 = ops.adaln_modulate(x, None, None, c[1], c[0], EPS, bf)
         r2, _, mean2, rstd2 = ops.residual_adaln_modulate(x, y, c[2], w, b, None, None, EPS, bf, bf)
@@ -346,15 +364,10 @@ def op_calls_host_us(rounds: int = 9, calls: int = 1000) -> dict:
     import statistics
     import time
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    B, N, D, bf = 8, 384, 2048, torch.bfloat16
-
-    def randn(*shape, dtype=bf):
-        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
-
-    x, y, dy, temb, table = randn(B, N, D), randn(B, N, D), randn(B, N, D), randn(B, 1, 2 * D), randn(2, D)
-    shift, scale = (table[None, None] + temb.reshape(B, 1, 2, D)).unbind(dim=2)  # LTX-Video's views
-    chunks = [c.unsqueeze(1) for c in randn(B, 6 * D, dtype=torch.float32).chunk(6, dim=-1)]  # Wan's
+    B, N, D, bf, randn = 8, 384, 2048, torch.bfloat16, cuda_randn()
+    x, y, dy = randn(B, N, D), randn(B, N, D), randn(B, N, D)
+    shift, scale = ltx_shift_scale(randn, B, D)
+    chunks = wan_chunks(randn, B, D)
     ops = torch.ops.adaptiveload
     with torch.no_grad():
         _, rstd = ops.rms_norm_modulate(x, None, scale, shift, EPS, bf)
