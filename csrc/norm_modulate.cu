@@ -203,10 +203,9 @@ Tuning tuning() {
 // A return value rather than an exception: the Python layer (_tuning.override) raises the ValueError.
 std::string set_tuning(int64_t max_threads, int64_t fwd_stages, int64_t bwd_stages, int64_t store, int64_t tail_pct,
                        int64_t tail_rows, bool two_kernel) {
-  // (The messages use std::to_string: see num() in norm_modulate_ops.h.)
   static_assert(kMaxThreads == 512 && kMaxStages == 8, "set_tuning's messages name these limits");
   auto bad = [](const char* what, int64_t got) {
-    return std::string("set_tuning: ") + what + ", got " + std::to_string(got);
+    return std::string("set_tuning: ") + what + ", got " + num(got);
   };
   if (max_threads != 0 && (max_threads < 32 || max_threads > kMaxThreads))
     return bad("max_threads must be 0 (automatic) or 32..512", max_threads);
@@ -382,6 +381,10 @@ ScaleShift segment_rows(const Tensor& x3, const Tensor& scale, const optional<Te
 optional<Tensor> affine_f32(const optional<Tensor>& t) {
   if (!t.has_value() || (t->scalar_type() == at::kFloat && t->is_contiguous())) return t;
   return t->to(at::kFloat).contiguous();
+}
+
+Tensor affine_grad(const Tensor& g, const optional<Tensor>& p) {
+  return !p.has_value() || p->scalar_type() == at::kFloat ? g : g.to(p->scalar_type());
 }
 
 Tensor stat_rows(const Tensor& s) {
@@ -572,39 +575,31 @@ std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x,
   auto grad = [&](const Tensor& g, const Tensor& m, bool final) {
     return final ? g : segmented ? g.to(m.scalar_type()) : mod_grad(g, m, x);
   };
-  auto param = [](const Tensor& g, const optional<Tensor>& p) {
-    return !g.defined() || p->scalar_type() == at::kFloat ? g : g.to(p->scalar_type());
-  };
-  return {dx, param(dweight, weight), param(dbias, bias), grad(dscale, scale, scale_final),
+  return {dx, affine_grad(dweight, weight), affine_grad(dbias, bias), grad(dscale, scale, scale_final),
           shift.has_value() ? grad(dshift, *shift, shift_final) : Tensor()};
 }
 
-std::tuple<Tensor, Tensor, Tensor> adaln_forward(const Tensor& x, const optional<Tensor>& weight,
-                                                 const optional<Tensor>& bias, const Tensor& scale,
-                                                 const optional<Tensor>& shift, double eps,
-                                                 at::ScalarType out_dtype) {
+Tensors3 adaln_forward(const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
+                       const Tensor& scale, const optional<Tensor>& shift, double eps, at::ScalarType out_dtype) {
   auto out = op_forward(Norm::Layer, x, weight, bias, scale, shift, eps, out_dtype);
   return {out[0], out[1], out[2]};
 }
 
-std::tuple<Tensor, Tensor> rms_forward(const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
-                                       const optional<Tensor>& shift, double eps, at::ScalarType out_dtype) {
+Tensors2 rms_forward(const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
+                     const optional<Tensor>& shift, double eps, at::ScalarType out_dtype) {
   auto out = op_forward(Norm::RMS, x, weight, c10::nullopt, scale, shift, eps, out_dtype);
   return {out[0], out[2]};
 }
 
-// (dx, dweight, dbias, dscale, dshift) in each input's shape and dtype; an absent input's gradient
-// is an empty [0] tensor.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> adaln_backward(
-    const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
-    const Tensor& scale, const optional<Tensor>& shift, const Tensor& mean, const Tensor& rstd) {
+Tensors5 adaln_backward(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
+                        const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                        const Tensor& mean, const Tensor& rstd) {
   auto g = op_backward(Norm::Layer, dy, x, weight, bias, scale, shift, mean, rstd);
   return {g[0], or_empty(g[1], x), or_empty(g[2], x), g[3], or_empty(g[4], x)};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x,
-                                                        const optional<Tensor>& weight, const Tensor& scale,
-                                                        const optional<Tensor>& shift, const Tensor& rstd) {
+Tensors4 rms_backward(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
+                      const optional<Tensor>& shift, const Tensor& rstd) {
   auto g = op_backward(Norm::RMS, dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd);
   return {g[0], or_empty(g[1], x), g[3], or_empty(g[4], x)};
 }
@@ -632,56 +627,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dx, dweight, dscale, dshift = rms_backward(dy, x, weight?, scale, shift?, rstd): the CUDA body of "
         "adaptiveload::rms_norm_modulate_backward",
         py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("shift"), py::arg("rstd"));
-  m.def("residual_forward",
-        [](const at::Tensor& x, const at::Tensor& y, const c10::optional<at::Tensor>& gate,
-           const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
-           const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& shift, double eps,
-           at::ScalarType r_dtype, at::ScalarType out_dtype) {
-          auto o = adaln::residual_op_forward(adaln::Norm::Layer, x, y, gate, weight, bias, scale, shift, eps, r_dtype,
-                                              out_dtype);
-          return std::make_tuple(o[0], o[1], o[2], o[3]);
-        },
+  m.def("residual_forward", &adaln::residual_adaln_forward,
         "r, out, mean, rstd = residual_forward(x[B,...,D], y, gate?, weight?, bias?, scale?, shift?, eps, r_dtype, "
         "out_dtype): the CUDA body of adaptiveload::residual_adaln_modulate (inputs validated by the caller)",
         py::arg("x"), py::arg("y"), py::arg("gate"), py::arg("weight"), py::arg("bias"), py::arg("scale"),
         py::arg("shift"), py::arg("eps"), py::arg("r_dtype"), py::arg("out_dtype"));
-  m.def("residual_backward",
-        [](const at::Tensor& dout, const c10::optional<at::Tensor>& dr, const at::Tensor& r,
-           const c10::optional<at::Tensor>& y, const c10::optional<at::Tensor>& gate,
-           const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
-           const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& shift, const at::Tensor& mean,
-           const at::Tensor& rstd, at::ScalarType x_dtype) {
-          auto g = adaln::residual_op_backward(adaln::Norm::Layer, dout, dr, r, y, gate, weight, bias, scale, shift,
-                                               mean, rstd, x_dtype);
-          auto e = [&](const at::Tensor& t) { return adaln::or_empty(t, r); };
-          return std::make_tuple(g[0], e(g[1]), e(g[2]), e(g[3]), e(g[4]), e(g[5]), e(g[6]));
-        },
+  m.def("residual_backward", &adaln::residual_adaln_backward,
         "dx, dy, dgate, dweight, dbias, dscale, dshift = residual_backward(dout, dr?, r, y?, gate?, weight?, bias?, "
         "scale?, shift?, mean, rstd, x_dtype): the CUDA body of adaptiveload::residual_adaln_modulate_backward",
         py::arg("dout"), py::arg("dr"), py::arg("r"), py::arg("y"), py::arg("gate"), py::arg("weight"),
         py::arg("bias"), py::arg("scale"), py::arg("shift"), py::arg("mean"), py::arg("rstd"), py::arg("x_dtype"));
-  m.def("residual_rms_forward",
-        [](const at::Tensor& x, const at::Tensor& y, const c10::optional<at::Tensor>& gate,
-           const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
-           const c10::optional<at::Tensor>& shift, double eps, at::ScalarType r_dtype, at::ScalarType out_dtype) {
-          auto o = adaln::residual_op_forward(adaln::Norm::RMS, x, y, gate, weight, c10::nullopt, scale, shift, eps,
-                                              r_dtype, out_dtype);
-          return std::make_tuple(o[0], o[1], o[3]);
-        },
+  m.def("residual_rms_forward", &adaln::residual_rms_forward,
         "r, out, rstd = residual_rms_forward(x[B,...,D], y, gate?, weight?, scale?, shift?, eps, r_dtype, out_dtype): "
         "the CUDA body of adaptiveload::residual_rms_norm_modulate",
         py::arg("x"), py::arg("y"), py::arg("gate"), py::arg("weight"), py::arg("scale"), py::arg("shift"),
         py::arg("eps"), py::arg("r_dtype"), py::arg("out_dtype"));
-  m.def("residual_rms_backward",
-        [](const at::Tensor& dout, const c10::optional<at::Tensor>& dr, const at::Tensor& r,
-           const c10::optional<at::Tensor>& y, const c10::optional<at::Tensor>& gate,
-           const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
-           const c10::optional<at::Tensor>& shift, const at::Tensor& rstd, at::ScalarType x_dtype) {
-          auto g = adaln::residual_op_backward(adaln::Norm::RMS, dout, dr, r, y, gate, weight, c10::nullopt, scale,
-                                               shift, c10::nullopt, rstd, x_dtype);
-          auto e = [&](const at::Tensor& t) { return adaln::or_empty(t, r); };
-          return std::make_tuple(g[0], e(g[1]), e(g[2]), e(g[3]), e(g[5]), e(g[6]));
-        },
+  m.def("residual_rms_backward", &adaln::residual_rms_backward,
         "dx, dy, dgate, dweight, dscale, dshift = residual_rms_backward(dout, dr?, r, y?, gate?, weight?, scale?, "
         "shift?, rstd, x_dtype): the CUDA body of adaptiveload::residual_rms_norm_modulate_backward",
         py::arg("dout"), py::arg("dr"), py::arg("r"), py::arg("y"), py::arg("gate"), py::arg("weight"),

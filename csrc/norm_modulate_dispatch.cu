@@ -134,89 +134,71 @@ Result python_path(Op op, const Args&... args) {
 // ---------------------------------------------------------------------------------------------
 // CUDA kernels of the eight ops (their schemas: adaptiveload/ops/<op>/op.py)
 
-using Fwd3 = std::tuple<Tensor, Tensor, Tensor>;
-using Fwd2 = std::tuple<Tensor, Tensor>;
-using Bwd5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
-using Bwd4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
-
-Fwd3 adaln_cuda(const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias, const Tensor& scale,
-                const optional<Tensor>& shift, double eps, at::ScalarType out_dtype) {
+Tensors3 adaln_cuda(const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
+                    const Tensor& scale, const optional<Tensor>& shift, double eps, at::ScalarType out_dtype) {
   if (!fast_forward(x, weight, bias, scale, shift, eps, out_dtype))
-    return python_path<Fwd3>(kAdaln, x, weight, bias, scale, shift, eps, out_dtype);
-  auto out = op_forward(Norm::Layer, x, weight, bias, scale, shift, eps, out_dtype);
-  return {out[0], out[1], out[2]};
+    return python_path<Tensors3>(kAdaln, x, weight, bias, scale, shift, eps, out_dtype);
+  return adaln_forward(x, weight, bias, scale, shift, eps, out_dtype);
 }
 
-Bwd5 adaln_backward_cuda(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
-                         const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                         const Tensor& mean, const Tensor& rstd) {
+Tensors5 adaln_backward_cuda(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
+                             const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
+                             const Tensor& mean, const Tensor& rstd) {
   if (!fast_backward(dy, x, weight, bias, scale, shift, mean, rstd))
-    return python_path<Bwd5>(kAdalnBackward, dy, x, weight, bias, scale, shift, mean, rstd);
-  auto g = op_backward(Norm::Layer, dy, x, weight, bias, scale, shift, mean, rstd);
-  return {g[0], or_empty(g[1], x), or_empty(g[2], x), g[3], or_empty(g[4], x)};
+    return python_path<Tensors5>(kAdalnBackward, dy, x, weight, bias, scale, shift, mean, rstd);
+  return adaln_backward(dy, x, weight, bias, scale, shift, mean, rstd);
 }
 
-Fwd2 rms_cuda(const Tensor& x, const optional<Tensor>& weight, const Tensor& scale, const optional<Tensor>& shift,
-              double eps, at::ScalarType out_dtype) {
+Tensors2 rms_cuda(const Tensor& x, const optional<Tensor>& weight, const Tensor& scale, const optional<Tensor>& shift,
+                  double eps, at::ScalarType out_dtype) {
   if (!fast_forward(x, weight, c10::nullopt, scale, shift, eps, out_dtype))
-    return python_path<Fwd2>(kRms, x, weight, scale, shift, eps, out_dtype);
-  auto out = op_forward(Norm::RMS, x, weight, c10::nullopt, scale, shift, eps, out_dtype);
-  return {out[0], out[2]};
+    return python_path<Tensors2>(kRms, x, weight, scale, shift, eps, out_dtype);
+  return rms_forward(x, weight, scale, shift, eps, out_dtype);
 }
 
-Bwd4 rms_backward_cuda(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
-                       const optional<Tensor>& shift, const Tensor& rstd) {
+Tensors4 rms_backward_cuda(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
+                           const optional<Tensor>& shift, const Tensor& rstd) {
   if (!fast_backward(dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd))
-    return python_path<Bwd4>(kRmsBackward, dy, x, weight, scale, shift, rstd);
-  auto g = op_backward(Norm::RMS, dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd);
-  return {g[0], or_empty(g[1], x), g[3], or_empty(g[4], x)};
+    return python_path<Tensors4>(kRmsBackward, dy, x, weight, scale, shift, rstd);
+  return rms_backward(dy, x, weight, scale, shift, rstd);
 }
 
-using Res4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
-using Res3 = std::tuple<Tensor, Tensor, Tensor>;
-using ResBwd7 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
-using ResBwd6 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
-
-Res4 residual_adaln_cuda(const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
-                         const optional<Tensor>& weight, const optional<Tensor>& bias, const optional<Tensor>& scale,
-                         const optional<Tensor>& shift, double eps, at::ScalarType r_dtype, at::ScalarType out_dtype) {
+Tensors4 residual_adaln_cuda(const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
+                             const optional<Tensor>& weight, const optional<Tensor>& bias,
+                             const optional<Tensor>& scale, const optional<Tensor>& shift, double eps,
+                             at::ScalarType r_dtype, at::ScalarType out_dtype) {
   if (!fast_residual_forward(x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype))
-    return python_path<Res4>(kResAdaln, x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype);
-  auto o = residual_op_forward(Norm::Layer, x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype);
-  return {o[0], o[1], o[2], o[3]};
+    return python_path<Tensors4>(kResAdaln, x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype);
+  return residual_adaln_forward(x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype);
 }
 
-ResBwd7 residual_adaln_backward_cuda(const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
-                                     const optional<Tensor>& y, const optional<Tensor>& gate,
-                                     const optional<Tensor>& weight, const optional<Tensor>& bias,
-                                     const optional<Tensor>& scale, const optional<Tensor>& shift, const Tensor& mean,
-                                     const Tensor& rstd, at::ScalarType x_dtype) {
+Tensors7 residual_adaln_backward_cuda(const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
+                                      const optional<Tensor>& y, const optional<Tensor>& gate,
+                                      const optional<Tensor>& weight, const optional<Tensor>& bias,
+                                      const optional<Tensor>& scale, const optional<Tensor>& shift,
+                                      const Tensor& mean, const Tensor& rstd, at::ScalarType x_dtype) {
   if (!fast_residual_backward(dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd, x_dtype))
-    return python_path<ResBwd7>(kResAdalnBackward, dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd,
-                                x_dtype);
-  auto g = residual_op_backward(Norm::Layer, dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd, x_dtype);
-  return {g[0],           or_empty(g[1], r), or_empty(g[2], r), or_empty(g[3], r),
-          or_empty(g[4], r), or_empty(g[5], r), or_empty(g[6], r)};
+    return python_path<Tensors7>(kResAdalnBackward, dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd,
+                                 x_dtype);
+  return residual_adaln_backward(dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd, x_dtype);
 }
 
-Res3 residual_rms_cuda(const Tensor& x, const Tensor& y, const optional<Tensor>& gate, const optional<Tensor>& weight,
-                       const optional<Tensor>& scale, const optional<Tensor>& shift, double eps,
-                       at::ScalarType r_dtype, at::ScalarType out_dtype) {
+Tensors3 residual_rms_cuda(const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
+                           const optional<Tensor>& weight, const optional<Tensor>& scale,
+                           const optional<Tensor>& shift, double eps, at::ScalarType r_dtype,
+                           at::ScalarType out_dtype) {
   if (!fast_residual_forward(x, y, gate, weight, c10::nullopt, scale, shift, eps, r_dtype, out_dtype))
-    return python_path<Res3>(kResRms, x, y, gate, weight, scale, shift, eps, r_dtype, out_dtype);
-  auto o = residual_op_forward(Norm::RMS, x, y, gate, weight, c10::nullopt, scale, shift, eps, r_dtype, out_dtype);
-  return {o[0], o[1], o[3]};
+    return python_path<Tensors3>(kResRms, x, y, gate, weight, scale, shift, eps, r_dtype, out_dtype);
+  return residual_rms_forward(x, y, gate, weight, scale, shift, eps, r_dtype, out_dtype);
 }
 
-ResBwd6 residual_rms_backward_cuda(const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
-                                   const optional<Tensor>& y, const optional<Tensor>& gate,
-                                   const optional<Tensor>& weight, const optional<Tensor>& scale,
-                                   const optional<Tensor>& shift, const Tensor& rstd, at::ScalarType x_dtype) {
+Tensors6 residual_rms_backward_cuda(const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
+                                    const optional<Tensor>& y, const optional<Tensor>& gate,
+                                    const optional<Tensor>& weight, const optional<Tensor>& scale,
+                                    const optional<Tensor>& shift, const Tensor& rstd, at::ScalarType x_dtype) {
   if (!fast_residual_backward(dout, dr, r, y, gate, weight, c10::nullopt, scale, shift, c10::nullopt, rstd, x_dtype))
-    return python_path<ResBwd6>(kResRmsBackward, dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype);
-  auto g = residual_op_backward(Norm::RMS, dout, dr, r, y, gate, weight, c10::nullopt, scale, shift, c10::nullopt,
-                                rstd, x_dtype);
-  return {g[0], or_empty(g[1], r), or_empty(g[2], r), or_empty(g[3], r), or_empty(g[5], r), or_empty(g[6], r)};
+    return python_path<Tensors6>(kResRmsBackward, dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype);
+  return residual_rms_backward(dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -229,27 +211,27 @@ c10::TypedOperatorHandle<Sig> typed_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-using AdalnSig = Fwd3(const Tensor&, const optional<Tensor>&, const optional<Tensor>&, const Tensor&,
-                      const optional<Tensor>&, double, at::ScalarType);
-using AdalnBwdSig = Bwd5(const Tensor&, const Tensor&, const optional<Tensor>&, const optional<Tensor>&,
-                         const Tensor&, const optional<Tensor>&, const Tensor&, const Tensor&);
-using RmsSig = Fwd2(const Tensor&, const optional<Tensor>&, const Tensor&, const optional<Tensor>&, double,
-                    at::ScalarType);
-using RmsBwdSig = Bwd4(const Tensor&, const Tensor&, const optional<Tensor>&, const Tensor&,
-                       const optional<Tensor>&, const Tensor&);
+using AdalnSig = Tensors3(const Tensor&, const optional<Tensor>&, const optional<Tensor>&, const Tensor&,
+                          const optional<Tensor>&, double, at::ScalarType);
+using AdalnBwdSig = Tensors5(const Tensor&, const Tensor&, const optional<Tensor>&, const optional<Tensor>&,
+                             const Tensor&, const optional<Tensor>&, const Tensor&, const Tensor&);
+using RmsSig = Tensors2(const Tensor&, const optional<Tensor>&, const Tensor&, const optional<Tensor>&, double,
+                        at::ScalarType);
+using RmsBwdSig = Tensors4(const Tensor&, const Tensor&, const optional<Tensor>&, const Tensor&,
+                           const optional<Tensor>&, const Tensor&);
 
-using ResAdalnSig = Res4(const Tensor&, const Tensor&, const optional<Tensor>&, const optional<Tensor>&,
-                         const optional<Tensor>&, const optional<Tensor>&, const optional<Tensor>&, double,
-                         at::ScalarType, at::ScalarType);
-using ResAdalnBwdSig = ResBwd7(const Tensor&, const optional<Tensor>&, const Tensor&, const optional<Tensor>&,
-                               const optional<Tensor>&, const optional<Tensor>&, const optional<Tensor>&,
-                               const optional<Tensor>&, const optional<Tensor>&, const Tensor&, const Tensor&,
-                               at::ScalarType);
-using ResRmsSig = Res3(const Tensor&, const Tensor&, const optional<Tensor>&, const optional<Tensor>&,
-                       const optional<Tensor>&, const optional<Tensor>&, double, at::ScalarType, at::ScalarType);
-using ResRmsBwdSig = ResBwd6(const Tensor&, const optional<Tensor>&, const Tensor&, const optional<Tensor>&,
-                             const optional<Tensor>&, const optional<Tensor>&, const optional<Tensor>&,
-                             const optional<Tensor>&, const Tensor&, at::ScalarType);
+using ResAdalnSig = Tensors4(const Tensor&, const Tensor&, const optional<Tensor>&, const optional<Tensor>&,
+                             const optional<Tensor>&, const optional<Tensor>&, const optional<Tensor>&, double,
+                             at::ScalarType, at::ScalarType);
+using ResAdalnBwdSig = Tensors7(const Tensor&, const optional<Tensor>&, const Tensor&, const optional<Tensor>&,
+                                const optional<Tensor>&, const optional<Tensor>&, const optional<Tensor>&,
+                                const optional<Tensor>&, const optional<Tensor>&, const Tensor&, const Tensor&,
+                                at::ScalarType);
+using ResRmsSig = Tensors3(const Tensor&, const Tensor&, const optional<Tensor>&, const optional<Tensor>&,
+                           const optional<Tensor>&, const optional<Tensor>&, double, at::ScalarType, at::ScalarType);
+using ResRmsBwdSig = Tensors6(const Tensor&, const optional<Tensor>&, const Tensor&, const optional<Tensor>&,
+                              const optional<Tensor>&, const optional<Tensor>&, const optional<Tensor>&,
+                              const optional<Tensor>&, const Tensor&, at::ScalarType);
 
 const c10::TypedOperatorHandle<AdalnSig>& adaln_op() {
   static const auto op = typed_op<AdalnSig>("adaptiveload::adaln_modulate");
@@ -424,7 +406,7 @@ struct FirstDerivativeOnly : public torch::autograd::Function<FirstDerivativeOnl
   }
 };
 
-Fwd3 adaln_autograd(const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
+Tensors3 adaln_autograd(const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
                     const Tensor& scale, const optional<Tensor>& shift, double eps, at::ScalarType out_dtype) {
   if (!needs_grad(x, weight, bias, scale, shift)) {
     at::AutoDispatchBelowADInplaceOrView below;
@@ -434,7 +416,7 @@ Fwd3 adaln_autograd(const Tensor& x, const optional<Tensor>& weight, const optio
   return {out[0], out[1], out[2]};
 }
 
-Fwd2 rms_autograd(const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
+Tensors2 rms_autograd(const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
                   const optional<Tensor>& shift, double eps, at::ScalarType out_dtype) {
   if (!needs_grad(x, weight, scale, shift)) {
     at::AutoDispatchBelowADInplaceOrView below;
@@ -444,29 +426,29 @@ Fwd2 rms_autograd(const Tensor& x, const optional<Tensor>& weight, const Tensor&
   return {out[0], out[1]};
 }
 
-Bwd5 adaln_backward_autograd(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
+Tensors5 adaln_backward_autograd(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
                              const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
                              const Tensor& mean, const Tensor& rstd) {
   if (!needs_grad(dy, x, weight, bias, scale, shift, mean, rstd)) {
     at::AutoDispatchBelowADInplaceOrView below;
     return adaln_backward_op().call(dy, x, weight, bias, scale, shift, mean, rstd);
   }
-  auto g = FirstDerivativeOnly<Bwd5, AdalnBwdSig>::apply(&adaln_backward_op(), dy, x, weight, bias, scale, shift,
+  auto g = FirstDerivativeOnly<Tensors5, AdalnBwdSig>::apply(&adaln_backward_op(), dy, x, weight, bias, scale, shift,
                                                          mean, rstd);
   return {g[0], g[1], g[2], g[3], g[4]};
 }
 
-Bwd4 rms_backward_autograd(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
+Tensors4 rms_backward_autograd(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
                            const optional<Tensor>& shift, const Tensor& rstd) {
   if (!needs_grad(dy, x, weight, scale, shift, rstd)) {
     at::AutoDispatchBelowADInplaceOrView below;
     return rms_backward_op().call(dy, x, weight, scale, shift, rstd);
   }
-  auto g = FirstDerivativeOnly<Bwd4, RmsBwdSig>::apply(&rms_backward_op(), dy, x, weight, scale, shift, rstd);
+  auto g = FirstDerivativeOnly<Tensors4, RmsBwdSig>::apply(&rms_backward_op(), dy, x, weight, scale, shift, rstd);
   return {g[0], g[1], g[2], g[3]};
 }
 
-Res4 residual_adaln_autograd(const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
+Tensors4 residual_adaln_autograd(const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
                              const optional<Tensor>& weight, const optional<Tensor>& bias,
                              const optional<Tensor>& scale, const optional<Tensor>& shift, double eps,
                              at::ScalarType r_dtype, at::ScalarType out_dtype) {
@@ -478,7 +460,7 @@ Res4 residual_adaln_autograd(const Tensor& x, const Tensor& y, const optional<Te
   return {out[0], out[1], out[2], out[3]};
 }
 
-Res3 residual_rms_autograd(const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
+Tensors3 residual_rms_autograd(const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
                            const optional<Tensor>& weight, const optional<Tensor>& scale,
                            const optional<Tensor>& shift, double eps, at::ScalarType r_dtype,
                            at::ScalarType out_dtype) {
@@ -491,7 +473,7 @@ Res3 residual_rms_autograd(const Tensor& x, const Tensor& y, const optional<Tens
   return {out[0], out[1], out[2]};
 }
 
-ResBwd7 residual_adaln_backward_autograd(const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
+Tensors7 residual_adaln_backward_autograd(const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
                                          const optional<Tensor>& y, const optional<Tensor>& gate,
                                          const optional<Tensor>& weight, const optional<Tensor>& bias,
                                          const optional<Tensor>& scale, const optional<Tensor>& shift,
@@ -500,12 +482,12 @@ ResBwd7 residual_adaln_backward_autograd(const Tensor& dout, const optional<Tens
     at::AutoDispatchBelowADInplaceOrView below;
     return residual_adaln_backward_op().call(dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd, x_dtype);
   }
-  auto g = FirstDerivativeOnly<ResBwd7, ResAdalnBwdSig>::apply(&residual_adaln_backward_op(), dout, dr, r, y, gate,
+  auto g = FirstDerivativeOnly<Tensors7, ResAdalnBwdSig>::apply(&residual_adaln_backward_op(), dout, dr, r, y, gate,
                                                                weight, bias, scale, shift, mean, rstd, x_dtype);
   return {g[0], g[1], g[2], g[3], g[4], g[5], g[6]};
 }
 
-ResBwd6 residual_rms_backward_autograd(const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
+Tensors6 residual_rms_backward_autograd(const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
                                        const optional<Tensor>& y, const optional<Tensor>& gate,
                                        const optional<Tensor>& weight, const optional<Tensor>& scale,
                                        const optional<Tensor>& shift, const Tensor& rstd, at::ScalarType x_dtype) {
@@ -513,7 +495,7 @@ ResBwd6 residual_rms_backward_autograd(const Tensor& dout, const optional<Tensor
     at::AutoDispatchBelowADInplaceOrView below;
     return residual_rms_backward_op().call(dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype);
   }
-  auto g = FirstDerivativeOnly<ResBwd6, ResRmsBwdSig>::apply(&residual_rms_backward_op(), dout, dr, r, y, gate,
+  auto g = FirstDerivativeOnly<Tensors6, ResRmsBwdSig>::apply(&residual_rms_backward_op(), dout, dr, r, y, gate,
                                                              weight, scale, shift, rstd, x_dtype);
   return {g[0], g[1], g[2], g[3], g[4], g[5]};
 }

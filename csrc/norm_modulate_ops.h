@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -57,6 +58,52 @@ std::vector<at::Tensor> residual_op_backward(Norm norm, const at::Tensor& dout, 
                                              const c10::optional<at::Tensor>& mean, const at::Tensor& rstd,
                                              at::ScalarType x_dtype,
                                              const c10::optional<at::Tensor>& segment_ids = c10::nullopt);
+
+// The eight ops' CUDA bodies in their schemas' shapes (adaptiveload/ops/<op>/op.py; an absent input's
+// gradient as the [0] tensor the schemas return): what the bindings and the dispatcher kernels
+// (norm_modulate_dispatch.cu, after their fast checks) call. Inputs validated by the caller.
+using Tensors2 = std::tuple<at::Tensor, at::Tensor>;
+using Tensors3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Tensors5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Tensors6 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Tensors7 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// y, mean, rstd
+Tensors3 adaln_forward(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                       const c10::optional<at::Tensor>& bias, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& shift, double eps, at::ScalarType out_dtype);
+// dx, dweight, dbias, dscale, dshift
+Tensors5 adaln_backward(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                        const c10::optional<at::Tensor>& bias, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& shift, const at::Tensor& mean, const at::Tensor& rstd);
+// y, rstd
+Tensors2 rms_forward(const at::Tensor& x, const c10::optional<at::Tensor>& weight, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& shift, double eps, at::ScalarType out_dtype);
+// dx, dweight, dscale, dshift
+Tensors4 rms_backward(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                      const at::Tensor& scale, const c10::optional<at::Tensor>& shift, const at::Tensor& rstd);
+// r, out, mean, rstd
+Tensors4 residual_adaln_forward(const at::Tensor& x, const at::Tensor& y, const c10::optional<at::Tensor>& gate,
+                                const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+                                const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& shift,
+                                double eps, at::ScalarType r_dtype, at::ScalarType out_dtype);
+// dx, dy, dgate, dweight, dbias, dscale, dshift
+Tensors7 residual_adaln_backward(const at::Tensor& dout, const c10::optional<at::Tensor>& dr, const at::Tensor& r,
+                                 const c10::optional<at::Tensor>& y, const c10::optional<at::Tensor>& gate,
+                                 const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+                                 const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& shift,
+                                 const at::Tensor& mean, const at::Tensor& rstd, at::ScalarType x_dtype);
+// r, out, rstd
+Tensors3 residual_rms_forward(const at::Tensor& x, const at::Tensor& y, const c10::optional<at::Tensor>& gate,
+                              const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
+                              const c10::optional<at::Tensor>& shift, double eps, at::ScalarType r_dtype,
+                              at::ScalarType out_dtype);
+// dx, dy, dgate, dweight, dscale, dshift
+Tensors6 residual_rms_backward(const at::Tensor& dout, const c10::optional<at::Tensor>& dr, const at::Tensor& r,
+                               const c10::optional<at::Tensor>& y, const c10::optional<at::Tensor>& gate,
+                               const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
+                               const c10::optional<at::Tensor>& shift, const at::Tensor& rstd,
+                               at::ScalarType x_dtype);
 
 // Kernel choices a benchmark or test may force (adaptiveload/ops/_tuning.py: override); each
 // default is "the launcher's choice", from the shape, the dtypes, the layout and the device, which
@@ -122,6 +169,8 @@ ModView mod_rows(const at::Tensor& t, const at::Tensor& x, at::ScalarType dt, co
 bool layout_ok(const at::Tensor& t, const at::Tensor& x);
 // A norm's affine parameter as contiguous fp32 (itself when it is already).
 c10::optional<at::Tensor> affine_f32(const c10::optional<at::Tensor>& t);
+// The kernels' fp32 gradient g of affine parameter p in p's dtype (g itself when p is fp32 or absent).
+at::Tensor affine_grad(const at::Tensor& g, const c10::optional<at::Tensor>& p);
 // A saved per-row statistic as contiguous fp32 (itself when it is already).
 at::Tensor stat_rows(const at::Tensor& s);
 // A kernel gradient of modulation t ([B, N, D] per element or [B, D] per-sample sums), summed over

@@ -250,11 +250,43 @@ std::vector<Tensor> residual_op_backward(Norm norm, const Tensor& dout, const op
   auto grad_of = [&](const optional<Tensor>& m, const Tensor& g, bool final) {
     return !m.has_value() || final ? g : mod_grad(g, *m, r);
   };
-  auto param = [](const optional<Tensor>& p, const Tensor& g) {
-    return !p.has_value() || p->scalar_type() == at::kFloat ? g : g.to(p->scalar_type());
-  };
-  return {dx, dy, grad_of(gate, dgate, gate_final), param(weight, dweight), param(bias, dbias),
+  return {dx, dy, grad_of(gate, dgate, gate_final), affine_grad(dweight, weight), affine_grad(dbias, bias),
           grad_of(scale, dscale, scale_final), grad_of(shift, dshift, shift_final)};
+}
+
+Tensors4 residual_adaln_forward(const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
+                                const optional<Tensor>& weight, const optional<Tensor>& bias,
+                                const optional<Tensor>& scale, const optional<Tensor>& shift, double eps,
+                                at::ScalarType r_dtype, at::ScalarType out_dtype) {
+  auto o = residual_op_forward(Norm::Layer, x, y, gate, weight, bias, scale, shift, eps, r_dtype, out_dtype);
+  return {o[0], o[1], o[2], o[3]};
+}
+
+Tensors7 residual_adaln_backward(const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
+                                 const optional<Tensor>& y, const optional<Tensor>& gate,
+                                 const optional<Tensor>& weight, const optional<Tensor>& bias,
+                                 const optional<Tensor>& scale, const optional<Tensor>& shift, const Tensor& mean,
+                                 const Tensor& rstd, at::ScalarType x_dtype) {
+  auto g = residual_op_backward(Norm::Layer, dout, dr, r, y, gate, weight, bias, scale, shift, mean, rstd, x_dtype);
+  return {g[0], or_empty(g[1], r), or_empty(g[2], r), or_empty(g[3], r), or_empty(g[4], r), or_empty(g[5], r),
+          or_empty(g[6], r)};
+}
+
+Tensors3 residual_rms_forward(const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
+                              const optional<Tensor>& weight, const optional<Tensor>& scale,
+                              const optional<Tensor>& shift, double eps, at::ScalarType r_dtype,
+                              at::ScalarType out_dtype) {
+  auto o = residual_op_forward(Norm::RMS, x, y, gate, weight, c10::nullopt, scale, shift, eps, r_dtype, out_dtype);
+  return {o[0], o[1], o[3]};
+}
+
+Tensors6 residual_rms_backward(const Tensor& dout, const optional<Tensor>& dr, const Tensor& r,
+                               const optional<Tensor>& y, const optional<Tensor>& gate,
+                               const optional<Tensor>& weight, const optional<Tensor>& scale,
+                               const optional<Tensor>& shift, const Tensor& rstd, at::ScalarType x_dtype) {
+  auto g = residual_op_backward(Norm::RMS, dout, dr, r, y, gate, weight, c10::nullopt, scale, shift, c10::nullopt,
+                                rstd, x_dtype);
+  return {g[0], or_empty(g[1], r), or_empty(g[2], r), or_empty(g[3], r), or_empty(g[5], r), or_empty(g[6], r)};
 }
 
 }  // namespace adaln
