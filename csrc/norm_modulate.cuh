@@ -20,9 +20,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <map>
-#include <mutex>
-#include <tuple>
 #include <type_traits>
 
 namespace adaln {
@@ -170,6 +167,15 @@ void with_chunk_count(int chunks, const F& f) {
   else if (chunks == 4 || kMax == 4) f(std::integral_constant<int, (kMax < 4 ? 2 : 4)>{});
   else f(std::integral_constant<int, kMax>{});
 }
+// The most ring slots, from `stages` down to 2, that leave `kernel` as many blocks a SM as two slots
+// do (`fixed_bytes` of shared memory beside the slots of `slot_bytes`): where registers cap the blocks
+// a SM, slots past that point only take blocks away. `stages` itself where it is 2 or less.
+int stages_keeping_occupancy(const void* kernel, int threads, size_t fixed_bytes, size_t slot_bytes, int stages);
+// Blocks of `kernel` (threads a block, smem bytes of dynamic shared memory) resident on one SM, from
+// the occupancy calculator (1 where it fails). Raises the kernel's dynamic shared memory ceiling to
+// the device's limit first where smem needs the opt-in (above 48 KB). Cached per (kernel, threads,
+// smem, device): the query costs microseconds.
+int blocks_per_sm(const void* kernel, int threads, size_t smem);
 // Ring slots of `ring_kernel` for `requested` (FwdArgs::stages: -1 automatic, 0 none,
 // 2..kMaxStages), or 0 where the ring cannot run: not `eligible` (unaligned rows), a GPU or a build
 // before `min_arch` (90: the bulk copies of the norm -> modulate rings; 80: the residual kernels'
@@ -212,36 +218,7 @@ void run_backward(BwdArgs& a, bool launch, cudaStream_t stream);
 template <typename Kernel>
 void one_wave(Kernel kernel, int threads, size_t smem, int64_t B, int64_t N, bool interleaved, int64_t& tiles,
               int64_t& rows_per_tile) {
-  // above 48 KB of dynamic + static shared memory a kernel must opt in (static: < 1 KB here),
-  // done with the first occupancy query that needs it
-  // the occupancy query costs microseconds: cache it per (kernel, threads, smem, device)
-  static std::mutex mu;
-  static std::map<std::tuple<const void*, int, size_t, int>, int> cache;
-  int dev = 0;
-  cudaGetDevice(&dev);
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, smem, dev);
-  int per_sm = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find(key);
-    if (it != cache.end()) per_sm = it->second;
-  }
-  if (per_sm == 0) {
-    if (smem > 47 * 1024) {
-      // the opt-in is one ceiling per kernel: raise it to the device's limit, not to this shape's
-      // size, or a later launch of a larger cached shape (same kernel, more threads) would fail
-      cudaFuncAttributes attr{};
-      cudaFuncGetAttributes(&attr, kernel);
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           device_props().smem_optin - static_cast<int>(attr.sharedSizeBytes));
-    }
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess || per_sm < 1) {
-      (void)cudaGetLastError();
-      per_sm = 1;
-    }
-    std::lock_guard<std::mutex> lock(mu);
-    cache[key] = per_sm;
-  }
+  const int per_sm = blocks_per_sm(reinterpret_cast<const void*>(kernel), threads, smem);
   const int64_t target = static_cast<int64_t>(device_props().sms) * per_sm;
   tiles = interleaved ? target / B : (target + B - 1) / B;  // (interleaved: one wave while B <= target)
   tiles = tiles < 1 ? 1 : (tiles > N ? N : tiles);

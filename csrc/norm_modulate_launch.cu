@@ -2,6 +2,7 @@
 // device's properties (cached), the shared-memory ring's slot count (declared in norm_modulate.cuh).
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "norm_modulate.cuh"
@@ -71,6 +72,42 @@ const DeviceProps& device_props() {
     if (p.sms < 1) p.sms = 1;
   });
   return props[dev];
+}
+
+int blocks_per_sm(const void* kernel, int threads, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, size_t, int>, int> cache;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const auto key = std::make_tuple(kernel, threads, smem, dev);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  if (smem > 47 * 1024) {
+    // the opt-in is one ceiling per kernel: raise it to the device's limit, not to this shape's
+    // size, or a later launch of a larger cached shape (same kernel, more threads) would fail
+    cudaFuncAttributes attr{};
+    cudaFuncGetAttributes(&attr, kernel);
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         device_props().smem_optin - static_cast<int>(attr.sharedSizeBytes));
+  }
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess || per_sm < 1) {
+    (void)cudaGetLastError();
+    per_sm = 1;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  cache[key] = per_sm;
+  return per_sm;
+}
+
+int stages_keeping_occupancy(const void* kernel, int threads, size_t fixed_bytes, size_t slot_bytes, int stages) {
+  if (stages <= 2) return stages;
+  const int most = blocks_per_sm(kernel, threads, fixed_bytes + 2 * slot_bytes);
+  while (stages > 2 && blocks_per_sm(kernel, threads, fixed_bytes + stages * slot_bytes) < most) --stages;
+  return stages;
 }
 
 namespace {

@@ -286,10 +286,15 @@ bool res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
     one_wave(kernel, rs.threads, smem, a.B, a.N, /*interleaved=*/true, tiles, rows_per_tile);
     kernel<<<static_cast<unsigned>(a.B * tiles), rs.threads, smem, stream>>>(a, tiles);
   };
-  // the staging ring where the rows are aligned (a.stages: the request, resolved here)
+  // the staging ring where the rows are aligned (a.stages: the request, resolved here). The segmented
+  // kernels' automatic ring keeps the blocks a SM that their registers allow: at D = 1536 (bf16, 192
+  // threads, 80 registers: 4 blocks a SM) the 8 slots of kResStageBytes left 3, and the forward read
+  // 75% of speed-of-light against 83-84% with 2, 3 or 6 slots, as the per-sample kernel
+  // (benchmarks/results/seg_probe_h200.txt).
   auto staged = [&](auto kernel) {
-    a.stages = ring_stages(a.stages, a.aligned, res_fwd_smem(rs), slot, kResStageBytes,
-                           reinterpret_cast<const void*>(kernel), 80);
+    const void* k = reinterpret_cast<const void*>(kernel);
+    a.stages = ring_stages(a.stages, a.aligned, res_fwd_smem(rs), slot, kResStageBytes, k, 80);
+    if (a.seg.on() && a0.stages < 0) a.stages = stages_keeping_occupancy(k, rs.threads, res_fwd_smem(rs), slot, a.stages);
     if (a.stages > 0) go(kernel);
     return a.stages > 0;
   };
