@@ -269,6 +269,14 @@ inline size_t res_fwd_smem(RowShape rs, int stages = 0, size_t slot_bytes = 0) {
   return static_cast<size_t>(3) * rs.chunks * kResVec * rs.threads * sizeof(float) + stages * slot_bytes;
 }
 
+// Automatic slots of the forward's staging ring with per-sample or shared rows. Measured on one H200
+// (bf16, N = 65536, B = 1; benchmarks/results/residual_h200_fwd_occupancy.md and
+// residual_h200_wide_stages.md): Wan's gated site 88.9 / 90.1 / 91.5 / 88.8 / 91.3% of speed-of-light
+// at D = 1536 / 2048 / 3072 / 4096 / 5120 with 2 slots, against 84.8 / 85.0 / 87.6 / 87.3 / 91.2%
+// with the slots for 48 KB of rows (8 / 6 / 4 / 3 / 2); the plain residual with an affine norm 85.6 /
+// 88.0 / 89.6 / 87.8% against 82.3 / 82.2 / 85.7 / 86.0% (D = 1536-4096).
+constexpr int kResFwdStages = 2;
+
 template <Norm N, typename Tr>
 bool res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
   ResFwdArgs a = a0;
@@ -286,15 +294,18 @@ bool res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
     one_wave(kernel, rs.threads, smem, a.B, a.N, /*interleaved=*/true, tiles, rows_per_tile);
     kernel<<<static_cast<unsigned>(a.B * tiles), rs.threads, smem, stream>>>(a, tiles);
   };
-  // the staging ring where the rows are aligned (a.stages: the request, resolved here). The segmented
-  // kernels' automatic ring keeps the blocks a SM that their registers allow: at D = 1536 (bf16, 192
-  // threads, 80 registers: 4 blocks a SM) the 8 slots of kResStageBytes left 3, and the forward read
-  // 75% of speed-of-light against 83-84% with 2, 3 or 6 slots, as the per-sample kernel
-  // (benchmarks/results/seg_probe_h200.txt).
+  // the staging ring where the rows are aligned (a.stages: the request, resolved here). Automatic:
+  // - per-sample or shared rows: kResFwdStages slots;
+  // - per-token rows and the segmented layout: slots for ~kResStageBytes of rows, fewer where more
+  //   would take away blocks a SM that the kernel's registers allow (at D = 1536, bf16, 192 threads,
+  //   the segmented kernel's 80 registers fit 4 blocks a SM, 8 slots left 3: 75% of speed-of-light
+  //   against 83% with 6; benchmarks/results/seg_probe_h200.txt).
+  const bool by_occupancy = pt || a.seg.on();
   auto staged = [&](auto kernel) {
     const void* k = reinterpret_cast<const void*>(kernel);
-    a.stages = ring_stages(a.stages, a.aligned, res_fwd_smem(rs), slot, kResStageBytes, k, 80);
-    if (a.seg.on() && a0.stages < 0) a.stages = stages_keeping_occupancy(k, rs.threads, res_fwd_smem(rs), slot, a.stages);
+    const int requested = a0.stages < 0 && !by_occupancy ? kResFwdStages : a0.stages;
+    a.stages = ring_stages(requested, a.aligned, res_fwd_smem(rs), slot, kResStageBytes, k, 80);
+    if (a0.stages < 0 && by_occupancy) a.stages = stages_keeping_occupancy(k, rs.threads, res_fwd_smem(rs), slot, a.stages);
     if (a.stages > 0) go(kernel);
     return a.stages > 0;
   };
