@@ -115,7 +115,8 @@ struct RowStage {
 inline size_t res_stage_slot_bytes(int tensors, int chunks, int threads, size_t elem_bytes) {
   return static_cast<size_t>(tensors) * chunks * kResVec * elem_bytes * threads;
 }
-// Automatic staging: slots for about this many bytes of rows a block.
+// Automatic staging of the backward, and of the forward's per-token rows and segmented layout: slots for
+// about this many bytes of rows a block (the forward with per-sample or shared rows: kResFwdStages).
 constexpr size_t kResStageBytes = 48 * 1024;
 
 struct ResFwdArgs {
