@@ -420,7 +420,17 @@ struct BwdKernels {
       // automatic: ~64 KB of rows; two slots with per-token scale rows, whose larger slots measured
       // better at 2 than at 64 KB's 3-7 (H200, D = 1536: 86% of SoL against 76%; equal at 3072 / 5120)
       const size_t auto_bytes = SPT ? 2 * slot(a) : kBwdRingBytes;
-      a.stages = ring_stages(a.stages, a.aligned, coef(a, threads), slot(a), auto_bytes, ring);
+      const int requested = a.stages;
+      a.stages = ring_stages(requested, a.aligned, coef(a, threads), slot(a), auto_bytes, ring);
+      if constexpr (!SPT) {
+        // the segmented kernel (102 registers at D = 1536, bf16: 6 blocks of 96 threads a SM) keeps the
+        // blocks its registers allow: 64 KB's 8 slots left 4, and forced 2 or 3 slots had read 74% of
+        // speed-of-light against 70% (one segment; benchmarks/results/seg_probe_h200.txt)
+        if (a.seg.on() && requested < 0) {
+          const void* seg = reinterpret_cast<const void*>(bwd_row_kernel<N, Tx, Tm, Tdy, C, false, true, true>);
+          a.stages = stages_keeping_occupancy(seg, threads, coef(a, threads), slot(a), a.stages);
+        }
+      }
     } else {
       a.stages = 0;
     }
