@@ -11,7 +11,7 @@
 #               installed package's adaptiveload/_csrc works too)
 #   file.cu     only these, relative to source-dir (default: every .cu under it, hidden folders left out)
 # The device code is compiled without NVVM's optimizer (-Xcicc -O0): the check is whether it compiles,
-# and that is 4x faster (81 s -> 19 s for residual_backward_bf16.cu on 2 cores). Set NVCC_VERBOSE=1 for
+# and that is 4x faster (81 s -> 19 s for the then single residual backward file of bf16 on 2 cores). Set NVCC_VERBOSE=1 for
 # ptxas resource usage, which compiles the optimized code (the registers and spills the build gets).
 set -euo pipefail
 cd "$(dirname "$0")/.."

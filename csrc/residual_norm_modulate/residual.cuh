@@ -223,7 +223,7 @@ constexpr DType dtype_of() {
 // Threads a block and chunks of kResVec a thread for a row of D (at most kResMaxChunks chunks).
 RowShape res_row_shape(int D, int max_threads);
 // The launchers, by norm and r's dtype Tr (float, __nv_bfloat16, __half): instantiated in
-// residual_forward_<dtype>.cu / residual_backward_<dtype>.cu. res_forward returns false (nothing
+// residual_forward_<dtype>.cu / residual_{adaln,rms_norm}_backward_<dtype>.cu. res_forward returns false (nothing
 // launched) only for the segmented layout where its kernel cannot run. res_backward with
 // launch == false plans only (sets a.two_kernel where the row is too wide for one pass, a.tiles,
 // a.rows_per_tile, a.threads, a.chunks, a.stages: 0 for the segmented layout where its kernel cannot

@@ -1,5 +1,5 @@
 // Backward kernels of the residual norm-site ops (templates on the norm and r's dtype Tr; instantiated
-// in residual_backward_<dtype>.cu).
+// in residual_adaln_backward_<dtype>.cu and residual_rms_norm_backward_<dtype>.cu).
 //
 // Per element (r_hat = (r - mean) * rstd, RMSNorm: mean = 0 and no bias; s1 = 1 + a per-token scale,
 // else 1; cf = w * (1 + scale_b) for a per-sample or shared scale, else w; g = dout * s1 * cf):
