@@ -13,7 +13,9 @@ For each D and number of segments (their lengths a seeded random split of T):
   layout keeps the gathered scale [T, D], the segmented one only [n, D] rows;
 * determinism: the backward 5 times, every output bit-identical to the first;
 * accuracy of y and of every gradient against float64 (``--acc-N`` tokens, ``--acc-D`` widths; each
-  number of segments).
+  number of segments);
+* ``--stages``: the segmented layout timed again with its ring's slots forced to each value (forward and
+  backward alike; the private ``_tuning.override``), to pick the automatic setting.
 
 ``--op residual`` times the Wan gated residual site instead (``residual_adaln_modulate``: r = x + gate·y,
 out = LayerNorm(r)·(1 + scale) + shift, gate, scale and shift one row a segment; backward with a
@@ -23,7 +25,7 @@ columns (tests/ops/test_residual_segmented.py checks the values).
 
 Writes ``<out>/segmented_<tag>.json`` and ``.md`` with the GPU, torch version, date and exact command.
 Usage: python benchmarks/bench_segmented.py [--op adaln|residual] [--N 65536] [--D 1536 3072]
-[--segments 1 12 42] [--tag h200]
+[--segments 1 12 42] [--stages 2 3 6] [--tag h200]
 """
 from __future__ import annotations
 
@@ -139,11 +141,16 @@ def main(argv=None) -> int:
     parser = op_arguments(__doc__.splitlines()[0], [1536, 3072], "segmented")
     parser.add_argument("--segments", type=int, nargs="+", default=[1, 12, 42])
     parser.add_argument("--op", choices=list(OPS), default="adaln")
+    parser.add_argument("--stages", type=int, nargs="+", default=[], choices=[0, *range(2, 9)],
+                        help="also time the segmented layout with its ring forced to these slots (0: no ring, which "
+                             "the segmented kernels need: the composite they fall back to)")
     args = parser.parse_args(argv)
     make_layouts, (k_fwd, k_bwd), extras = OPS[args.op]
     ready = start("bench_segmented.py")
     if ready is None:
         return 1
+    from adaptiveload.ops import _tuning
+
     tt, gen, bw = ready
     rows = []
     for D in args.D:
@@ -151,15 +158,21 @@ def main(argv=None) -> int:
             x, s, h, ids = make_inputs(args.N, D, n, gen)
             row = {"T": args.N, "D": D, "segments": n}
             sol_fwd, sol_bwd = (k * x.numel() * x.element_size() / bw * 1e3 for k in (k_fwd, k_bwd))
-            for name, (fwd, bwd) in make_layouts(x, s, h, ids).items():
-                out = fwd()
-                dy = torch.randn_like(x)
-                f_ms, b_ms = tt.do_bench(fwd), tt.do_bench(lambda: bwd(dy, out))
-                first = bwd(dy, out)
-                same = all(all(torch.equal(a, b) for a, b in zip(first, bwd(dy, out))) for _ in range(4))
-                row[name] = {"fwd_ms": f_ms, "bwd_ms": b_ms, "fwd_frac_sol": sol_fwd / f_ms,
-                             "bwd_frac_sol": sol_bwd / b_ms, "bit_identical_bwd": same,
-                             "saved_bytes_beyond_x": saved_bytes(x, s, h, ids, name) if extras else None}
+            layouts = make_layouts(x, s, h, ids)
+            runs = [(name, name, {}) for name in layouts]
+            runs += [(f"segmented, {k} slots", "segmented", {"fwd_stages": k, "bwd_stages": k}) for k in args.stages]
+            for label, name, forced in runs:
+                fwd, bwd = layouts[name]
+                with _tuning.override(**forced):
+                    out = fwd()
+                    dy = torch.randn_like(x)
+                    f_ms, b_ms = tt.do_bench(fwd), tt.do_bench(lambda: bwd(dy, out))
+                    first = bwd(dy, out)
+                    same = all(all(torch.equal(a, b) for a, b in zip(first, bwd(dy, out))) for _ in range(4))
+                row[label] = {"fwd_ms": f_ms, "bwd_ms": b_ms, "fwd_frac_sol": sol_fwd / f_ms,
+                              "bwd_frac_sol": sol_bwd / b_ms, "bit_identical_bwd": same,
+                              "saved_bytes_beyond_x": saved_bytes(x, s, h, ids, name) if extras and not forced
+                              else None}
             rows.append(row)
             seg = row["segmented"]
             print(f"D={D} n={n}: segmented fwd {seg['fwd_ms']:.3f} ms ({100 * seg['fwd_frac_sol']:.0f}% SoL), "
@@ -185,7 +198,7 @@ def markdown(doc: dict) -> str:
              "| T | D | segments | layout | fwd ms (SoL) | bwd ms (SoL) | kept MiB | bit-identical bwd |",
              "|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
-        for name in ("per-sample", "segmented", "per-token"):
+        for name in (k for k, c in r.items() if isinstance(c, dict)):  # the layouts, then forced slots
             c = r[name]
             kept = "-" if c["saved_bytes_beyond_x"] is None else f"{c['saved_bytes_beyond_x'] / 2**20:.1f}"
             lines.append(f"| {r['T']} | {r['D']} | {r['segments']} | {name} | {c['fwd_ms']:.3f} "
