@@ -305,7 +305,8 @@ bool res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
     const void* k = reinterpret_cast<const void*>(kernel);
     const int requested = a0.stages < 0 && !by_occupancy ? kResFwdStages : a0.stages;
     a.stages = ring_stages(requested, a.aligned, res_fwd_smem(rs), slot, kResStageBytes, k, 80);
-    if (a0.stages < 0 && by_occupancy) a.stages = stages_keeping_occupancy(k, rs.threads, res_fwd_smem(rs), slot, a.stages);
+    if (a0.stages < 0 && by_occupancy)
+      a.stages = stages_keeping_occupancy(k, rs.threads, res_fwd_smem(rs), slot, a.stages);
     if (a.stages > 0) go(kernel);
     return a.stages > 0;
   };
