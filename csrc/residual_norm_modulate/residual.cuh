@@ -29,6 +29,9 @@ constexpr int kResPrefetchChunks = 2;
 // The backward keeps its column partial sums in registers (one pass) up to this many chunks a
 // thread; wider rows (D > 8192) take two kernels: dx, then the column sums recomputing dr_total.
 constexpr int kResOnePassChunks = 2;
+// The backward's one-chunk kernel for rows just wider than kMaxThreads chunks of kResVec
+// (res_bwd_wide_kernel): up to this many threads a block (D <= 5120).
+constexpr int kResWideThreads = 640;
 // Planes of the backward's column workspace [kResPlanes, tiles, B, D]:
 //   P0 = sum dout * s1 * r_hat,  P1 = sum dout * s1  (s1 = 1 + per-token scale, else 1),
 //   P2 = sum dout (per-token scale with a reduced shift),  P3 = sum y * dr_total (reduced gate).
@@ -222,6 +225,9 @@ constexpr DType dtype_of() {
 
 // Threads a block and chunks of kResVec a thread for a row of D (at most kResMaxChunks chunks).
 RowShape res_row_shape(int D, int max_threads);
+// The backward's wide one-chunk shape for D of more than kMaxThreads and at most kResWideThreads groups of
+// kResVec, with no thread cap (max_threads <= 0); else {0, 0}.
+RowShape res_bwd_wide_shape(int D, int max_threads);
 // The launchers, by norm and r's dtype Tr (float, __nv_bfloat16, __half): instantiated in
 // residual_forward_<dtype>.cu / residual_{adaln,rms_norm}_backward_<dtype>.cu. res_forward returns false (nothing
 // launched) only for the segmented layout where its kernel cannot run. res_backward with

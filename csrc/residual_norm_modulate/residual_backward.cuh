@@ -48,8 +48,10 @@ __device__ __forceinline__ float res_dr_total(float g, float xh, float rstd, flo
 // The row tensors of the backward's staging ring, in slot order.
 enum ResBwdStaged : int { kStR = 0, kStDout = 1, kStDr = 2, kStY = 3, kStCount = 4 };
 
-template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3, bool STG = false, bool SEG = false>
-__global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdArgs a) {
+// The row kernels' body (res_bwd_row_kernel, and res_bwd_wide_kernel below, which differ only in their
+// launch bound).
+template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3, bool STG, bool SEG>
+__device__ __forceinline__ void res_bwd_rows(const ResBwdArgs& a) {
   static_assert(!SEG || (STG && !SPT && ACC), "the segmented layout takes the staged one-pass kernel, per-sample rows");
   constexpr bool RMS = N == Norm::RMS;
   constexpr int NS = RMS ? 1 : 2;  // row sums: [sum g,] sum g * r_hat
@@ -279,6 +281,22 @@ __global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdAr
   }
 }
 
+template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3, bool STG = false, bool SEG = false>
+__global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdArgs a) {
+  res_bwd_rows<N, Tr, C, IO, SPT, ACC, P3, STG, SEG>(a);
+}
+
+// Rows of kMaxThreads * kResVec < D <= kResWideThreads * kResVec elements (D = 5120 in 16-bit or fp32):
+// one chunk a thread on up to kResWideThreads threads instead of two chunks on kMaxThreads or fewer
+// (res_bwd_wide_shape), for the staged one-pass kernel with typed per-sample rows. Two chunks keep 2 x
+// 8 elements of each row tensor and of each partial-sum plane a thread: 128 registers (the cap of
+// kMaxThreads) with spills, one 320-thread block (10 warps) a SM; one chunk on 640 threads is 20
+// warps, its registers capped by this launch bound at 65536 / 640 (ptxas, sm_90: benchmarks/KERNEL_NOTES.md).
+template <Norm N, typename Tr, bool P3>
+__global__ void __launch_bounds__(kResWideThreads) res_bwd_wide_kernel(const ResBwdArgs a) {
+  res_bwd_rows<N, Tr, 1, TypedRows<Tr>, false, true, P3, true, false>(a);
+}
+
 // Two-kernel design's column kernel: grid (ceil(D / 32), tiles, B), block (32, 8); thread (tx, ty)
 // owns feature d = 32 * blockIdx.x + tx and rows n0 + ty, n0 + ty + 8, ... of its tile, recomputing
 // each element's terms from dout, r, (dr, y, a per-token scale) and the row sums the row kernel saved;
@@ -425,6 +443,10 @@ template <Norm N, typename Tr, typename F>
 void res_bwd_row_kernel_for(const ResBwdArgs& a, bool staged, const F& f) {
   const bool one_pass = a.columns() && !a.two_kernel;
   const bool spt = a.scale.ptr && a.scale.sn != 0, p3 = a.dgate_rows != nullptr;
+  if (a.threads > kMaxThreads) {  // the wide one-chunk kernel (res_bwd_wide_shape; planned only where it runs)
+    if (p3) return f(res_bwd_wide_kernel<N, Tr, true>);
+    return f(res_bwd_wide_kernel<N, Tr, false>);
+  }
   auto by_io = [&](auto io) {
     using IO = decltype(io);
     constexpr bool kTyped = std::is_same<IO, TypedRows<Tr>>::value;
@@ -462,20 +484,32 @@ void res_bwd_row_kernel_for(const ResBwdArgs& a, bool staged, const F& f) {
 template <Norm N, typename Tr>
 void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
   if (!launch) {
-    const RowShape rs = res_row_shape(a.D, a.max_threads);
-    a.threads = rs.threads;
-    a.chunks = rs.chunks;
-    a.two_kernel = a.columns() && (a.two_kernel || rs.chunks > kResOnePassChunks);
-    // the staging ring: the one-pass kernel with typed, aligned rows (a.stages: the request)
-    const bool eligible = a.columns() && !a.two_kernel && a.aligned && res_bwd_typed<Tr>(a);
-    const size_t coef = res_bwd_smem(a.threads, a.chunks);
-    const size_t slot = res_stage_slot_bytes(kStCount, a.chunks, a.threads, sizeof(Tr));
+    const int requested = a.stages;
+    // Shape {threads, chunks}: the staging ring's slots for it (the one-pass kernel with typed, aligned rows;
+    // a.stages: the request), 0 where it does not stage.
+    auto plan_shape = [&](RowShape rs) {
+      a.threads = rs.threads;
+      a.chunks = rs.chunks;
+      a.two_kernel = a.columns() && (a.two_kernel || rs.chunks > kResOnePassChunks);
+      const bool eligible = a.columns() && !a.two_kernel && a.aligned && res_bwd_typed<Tr>(a);
+      int stages = 0;
+      if (eligible) {
+        const size_t coef = res_bwd_smem(a.threads, a.chunks);
+        const size_t slot = res_stage_slot_bytes(kStCount, a.chunks, a.threads, sizeof(Tr));
+        res_bwd_row_kernel_for<N, Tr>(a, true, [&](auto kernel) {
+          stages = ring_stages(requested, true, coef, slot, kResStageBytes, reinterpret_cast<const void*>(kernel), 80);
+        });
+      }
+      return stages;
+    };
+    // the wide one-chunk kernel where it applies (staged, per-sample rows, no per-token scale), else the
+    // shape of res_row_shape
+    const RowShape wide = res_bwd_wide_shape(a.D, a.max_threads);
+    const bool spt = a.scale.ptr && a.scale.sn != 0;
     int stages = 0;
-    if (eligible) {
-      res_bwd_row_kernel_for<N, Tr>(a, true, [&](auto kernel) {
-        stages = ring_stages(a.stages, true, coef, slot, kResStageBytes, reinterpret_cast<const void*>(kernel), 80);
-      });
-    }
+    if (wide.threads > 0 && !spt && !a.seg.on() && !a.two_kernel) stages = plan_shape(wide);
+    if (stages == 0) stages = plan_shape(res_row_shape(a.D, a.max_threads));
+    const size_t slot = res_stage_slot_bytes(kStCount, a.chunks, a.threads, sizeof(Tr));
     a.stages = stages;
     if (a.seg.on() && (a.stages == 0 || (a.scale.ptr && a.scale.sn != 0))) {  // the staged kernel or nothing
       a.stages = 0;
@@ -487,7 +521,14 @@ void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
     });
     return;
   }
-  if (!a.aligned) a.stages = 0;  // (the workspace, allocated after the plan, unaligned: never from torch)
+  if (!a.aligned) {  // (the workspace, allocated after the plan, unaligned: never from torch)
+    a.stages = 0;
+    if (a.threads > kMaxThreads) {  // the wide kernel stages its rows: the narrower shape instead (same tiles)
+      const RowShape rs = res_row_shape(a.D, a.max_threads);
+      a.threads = rs.threads;
+      a.chunks = rs.chunks;
+    }
+  }
   const size_t smem = res_bwd_smem(a.threads, a.chunks, a.stages,
                                    res_stage_slot_bytes(kStCount, a.chunks, a.threads, sizeof(Tr)));
   res_bwd_row_kernel_for<N, Tr>(a, a.stages > 0, [&](auto kernel) {

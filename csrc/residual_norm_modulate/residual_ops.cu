@@ -22,6 +22,12 @@ RowShape res_row_shape(int D, int max_threads) {
   return {(per + 31) / 32 * 32, kResMaxChunks};
 }
 
+RowShape res_bwd_wide_shape(int D, int max_threads) {
+  const int groups = (D + kResVec - 1) / kResVec;
+  if (max_threads > 0 || groups <= kMaxThreads || groups > kResWideThreads) return {0, 0};
+  return {(groups + 31) / 32 * 32, 1};
+}
+
 namespace {
 
 using at::Tensor;

@@ -543,14 +543,17 @@ def test_kernels_opcheck(kernels, norm, gate_layout, modulation):
 @pytest.mark.parametrize("gate_layout, x_shape", [
     ("strided-per-sample", (2, 2048, 1536)),  # many rows a block: the ring wraps around many times
     ("per-token", (1, 5, 1536)),  # fewer rows a block than slots
-    (None, (1, 33, 5120)),  # two chunks a thread
+    (None, (1, 33, 5120)),  # two chunks a thread (under a cap of 512 threads: else the wide kernel)
 ])
 def test_kernels_row_staging_matches_loads_at_use(kernels, norm, dtype, gate_layout, x_shape):
     """The per-thread staging ring (forward: x, y; backward: r, dout, dr, y) at 2, 3 and 8 slots and
     the kernels' own choice gives r, out, the statistics, dx and dy bit for bit as loading each row at
     use (stages 0), which test_kernels_match_float64 checks against float64 (here too, at 2 slots).
     The column sums (dgate, dweight, dbias, dscale, dshift) add the same terms in tiles that depend
-    on the occupancy, which the ring's shared memory changes: equal to within their rounding."""
+    on the occupancy, which the ring's shared memory changes: equal to within their rounding. At
+    D = 5120 the staged backward would otherwise take the wide one-chunk kernel (640 threads, its row
+    sums added in another order than the 320 threads of loads at use: test_kernels_wide_backward)."""
+    cap = 512 if x_shape[-1] == 5120 else "auto"
     v = make_inputs(norm, x_shape, dtype, gate_layout, "scale+shift", "strided-per-sample", "per-token", True,
                     seed=4, mod_dtype=torch.float32, device="cuda")
     dout, dr = (torch.randn(x_shape, device="cuda").to(dtype) for _ in range(2))
@@ -560,10 +563,10 @@ def test_kernels_row_staging_matches_loads_at_use(kernels, norm, dtype, gate_lay
         r, out, *stats = call(norm, v, dtype, dtype)
         return [r, out, *stats, *BACKWARDS[norm](*_backward_args(norm, v, dout, dr, r, stats))]
 
-    with _tuning.override(fwd_stages=0, bwd_stages=0):
+    with _tuning.override(fwd_stages=0, bwd_stages=0, max_threads=cap):
         base = run()
     for stages in (2, 3, 8, "auto"):
-        with _tuning.override(fwd_stages=stages, bwd_stages=stages):
+        with _tuning.override(fwd_stages=stages, bwd_stages=stages, max_threads=cap):
             got = run()
         for i, (a, b) in enumerate(zip(base, got)):
             if i < n_rows:
@@ -573,6 +576,42 @@ def test_kernels_row_staging_matches_loads_at_use(kernels, norm, dtype, gate_lay
     with _tuning.override(fwd_stages=2, bwd_stages=2):
         check_against_float64(norm, (2, 37, 1536), dtype, gate_layout, "scale+shift", "strided-per-sample",
                               "per-token", True, seed=5, device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm", sorted(OPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate_layout, modulation, D", [
+    ("strided-per-sample", "scale+shift", 5120),  # Wan 14B's gated site: the dgate column plane
+    (None, "none", 5120),  # a plain residual, affine norm
+    ("shared", "scale", 4104),  # 513 groups of 8: 544 threads, the last warp's columns partly past D
+])
+def test_kernels_wide_backward(kernels, norm, dtype, gate_layout, modulation, D):
+    """Rows of more than 512 and at most 640 groups of 8 elements: the staged backward takes one chunk a
+    thread on up to 640 threads (res_bwd_wide_kernel) instead of two on 320. Every output against
+    float64; bit-identical across runs with many blocks a column; and against the two-chunk kernel (a
+    cap of 512 threads), whose row sums add in another order: within rounding, and not bit for bit
+    in float32 (so the wide kernel is the one that ran)."""
+    check_against_float64(norm, (2, 37, D), dtype, gate_layout, modulation, "strided-per-sample", "per-sample", True,
+                          seed=11, device="cuda")
+    x_shape = (1, 2048, D)
+    v = make_inputs(norm, x_shape, dtype, gate_layout, modulation, "strided-per-sample", "per-sample", True, seed=12,
+                    mod_dtype=torch.float32, device="cuda")
+    r, out, *stats = call(norm, v, dtype, dtype)
+    gen = torch.Generator().manual_seed(13)
+    dout, dr = (torch.randn(x_shape, generator=gen).to(dtype).cuda() for _ in range(2))
+    args = _backward_args(norm, v, dout, dr, r, stats)
+    first = BACKWARDS[norm](*args)
+    for a, b in zip(first, BACKWARDS[norm](*args)):
+        assert torch.equal(a, b)
+    with _tuning.override(max_threads=512):
+        capped = BACKWARDS[norm](*args)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for i, (a, b) in enumerate(zip(first, capped)):
+        if a is not None and a.numel():
+            assert_rel(a, b, tol, f"output {i} against the two-chunk kernel")
+    if dtype == torch.float32:
+        assert not torch.equal(first[0], capped[0]), "dx bit for bit as the two-chunk kernel: the wide kernel did not run"
 
 
 @pytest.mark.cuda
