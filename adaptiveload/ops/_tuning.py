@@ -38,7 +38,8 @@ class Choices(NamedTuple):
 
     Attributes:
         max_threads: threads-per-block cap of the row kernels, 32..512 (fewer threads, more 16-byte
-            chunks a thread).
+            chunks a thread). Automatic, the residual ops' backward takes up to 640 threads of one
+            chunk for rows of 513-640 groups of 8 elements (D = 5120); any cap keeps it to the cap.
         fwd_stages, bwd_stages: rows in the forward's / the backward row kernel's shared-memory ring
             on sm_90, 0 (the register prefetch of one row) or 2..8; where the ring cannot run
             (unaligned rows, rows too wide a thread, GPUs before sm_90, too little shared memory) the
