@@ -1,7 +1,8 @@
 """Find the norm→modulate chains of an FX graph and rewrite each into one fused op: every
 ``LayerNorm(x) * (1 + scale) + shift`` into ``torch.ops.adaptiveload.adaln_modulate``, every
-``rms_norm(x) * (1 + scale) [+ shift]`` into ``torch.ops.adaptiveload.rms_norm_modulate``, and what
-any pattern added with :func:`register_pattern` matches into its op.
+``rms_norm(x) * (1 + scale) [+ shift]`` into ``torch.ops.adaptiveload.rms_norm_modulate``, the
+residual update in front of a site with it (``residual_*_modulate``), Wan's q/k RMSNorm → RoPE into
+``rms_norm_rope`` (on CPU), and what any pattern added with :func:`register_pattern` matches into its op.
 
 * :func:`fuse_adaln` -- the standalone rewrite of a ``torch.fx.GraphModule`` (Dynamo,
   ``symbolic_trace`` or ``torch.export`` graphs), returning a :class:`FusionReport`.

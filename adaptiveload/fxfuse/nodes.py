@@ -68,6 +68,8 @@ def is_floating(t: Optional[torch.Tensor]) -> bool:
 
 _MUL_FUNCTIONS = {operator.mul, torch.mul, aten.mul.Tensor}
 _ADD_FUNCTIONS = {operator.add, torch.add, aten.add.Tensor, aten.add.Scalar}
+_SUB_FUNCTIONS = {operator.sub, torch.sub, aten.sub.Tensor, aten.sub.Scalar}
+_BINARY = {"mul": (_MUL_FUNCTIONS, "mul"), "add": (_ADD_FUNCTIONS, "add"), "sub": (_SUB_FUNCTIONS, "sub")}
 _ADDCMUL_FUNCTIONS = {torch.addcmul, aten.addcmul.default}
 
 
@@ -84,9 +86,9 @@ def _is_one(value: Any) -> bool:
 
 
 def binary_operands(node: Any, kind: str) -> Optional[tuple[Any, Any]]:
-    """``(a, b)`` when ``node`` computes ``a * b`` (kind "mul") or ``a + b`` (kind "add", alpha 1),
-    in operator, ``torch.*``, Tensor-method or aten form; None otherwise."""
-    functions, method = (_MUL_FUNCTIONS, "mul") if kind == "mul" else (_ADD_FUNCTIONS, "add")
+    """``(a, b)`` when ``node`` computes ``a * b`` (kind "mul"), ``a + b`` ("add") or ``a - b``
+    ("sub"; alpha 1), in operator, ``torch.*``, Tensor-method or aten form; None otherwise."""
+    functions, method = _BINARY[kind]
     if not _is_call(node, functions, method) or len(node.args) != 2:
         return None
     if set(node.kwargs) - {"alpha"} or not _is_one(node.kwargs.get("alpha", 1)):

@@ -54,9 +54,9 @@ from torch.fx import GraphModule, Node
 
 #: The built-in patterns, in the order they are tried: module paths that register patterns on import.
 #: The residual norm sites come first (they fall through to the plain norm→modulate patterns where
-#: they do not apply).
+#: they do not apply); the q/k RMSNorm → RoPE site before the RMSNorm→modulate one.
 BUILTIN_MODULES = ("adaptiveload.ops.residual_norm_modulate.pattern", "adaptiveload.ops.adaln_modulate.pattern",
-                   "adaptiveload.ops.rms_norm_modulate.pattern")
+                   "adaptiveload.ops.rms_norm_rope.pattern", "adaptiveload.ops.rms_norm_modulate.pattern")
 
 
 @dataclass

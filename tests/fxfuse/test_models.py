@@ -2,7 +2,8 @@
 backend: every norm site their code executes is fused -- LayerNorm→modulate and RMSNorm→modulate
 sites by ``adaln_modulate`` / ``rms_norm_modulate``, and those that read a residual sum
 ``x + gate * y`` (or ``x + y``) together with it by ``residual_adaln_modulate`` /
-``residual_rms_norm_modulate`` (plain norms behind a residual too) -- and training matches eager.
+``residual_rms_norm_modulate`` (plain norms behind a residual too), Wan's q/k RMSNorm → RoPE by
+``rms_norm_rope`` -- and training matches eager.
 Each model states its count formula per op, for a whole-model compile and, for the LayerNorm
 models, for the train job's per-block (regional) compile, where a residual that feeds the next
 block's norm crosses a region boundary and its norm is fused by the plain op.
@@ -30,6 +31,7 @@ ADALN = "adaptiveload::adaln_modulate"
 RES_ADALN = "adaptiveload::residual_adaln_modulate"
 RMS = "adaptiveload::rms_norm_modulate"
 RES_RMS = "adaptiveload::residual_rms_norm_modulate"
+ROPE = "adaptiveload::rms_norm_rope"
 
 
 @dataclass
@@ -105,12 +107,14 @@ def _wan():
     #     (self.norm3(hidden_states.float()) * (1 + c_scale_msa) + c_shift_msa).type_as(...)        (3)
     #   hidden_states = (hidden_states.float() + ff_output.float() * c_gate_msa).type_as(hidden_states)
     # head: (self.norm_out(hidden_states.float()) * (1 + scale) + shift).type_as(hidden_states)      (+1)
-    # (norm_q/norm_k are RMSNorms feeding attention, not modulate chains; no image_dim, so no
-    # WanImageEmbedding LayerNorms)
+    # attn1 (WanAttnProcessor): attn.norm_q(query), attn.norm_k(key) (RMSNorm across heads), then
+    #   .unflatten(2, (heads, -1)) and apply_rotary_emb: two RMSNorm -> RoPE sites                     (2)
+    #   attn2 (cross-attention) has norm_q / norm_k too but no rotary_emb: plain RMSNorms feeding the
+    #   attention, left alone (no image_dim, so no WanImageEmbedding LayerNorms)
     # whole: 1 plain (block 0's norm1); 3L residual (norm2, norm3 of each block, norm1 of blocks 1..,
-    #   the head): the three residuals of every block;
+    #   the head): the three residuals of every block; 2L RMSNorm -> RoPE;
     # per block: L plain (norm1), 2L residual (norm2, norm3); the FFN residual feeds the next block's
-    #   norm1 across the region boundary, and the head is eager.
+    #   norm1 across the region boundary, and the head is eager; 2L RMSNorm -> RoPE.
     model = diffusers.WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
         text_dim=16, freq_dim=16, ffn_dim=32, num_layers=NUM_LAYERS, rope_max_seq_len=32,
@@ -118,7 +122,8 @@ def _wan():
     kwargs = dict(hidden_states=torch.randn(2, 4, 2, 8, 8), timestep=torch.tensor([10, 500]),
                   encoder_hidden_states=torch.randn(2, 5, 16))
     L = NUM_LAYERS
-    return model, kwargs, Sites({ADALN: 1, RES_ADALN: 3 * L}, {ADALN: L, RES_ADALN: 2 * L}, ("blocks",))
+    return model, kwargs, Sites({ADALN: 1, RES_ADALN: 3 * L, ROPE: 2 * L}, {ADALN: L, RES_ADALN: 2 * L, ROPE: 2 * L},
+                                ("blocks",))
 
 
 def _flux():

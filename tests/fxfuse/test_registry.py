@@ -145,19 +145,21 @@ def test_a_pattern_defined_outside_the_package_is_fused_counted_and_reported(toy
 
 def test_builtin_patterns_first_then_registered_ones_in_order(toy_pattern):
     assert [p.name for p in patterns()] == ["residual_adaln_modulate", "residual_rms_norm_modulate", "adaln_modulate",
-                                            "rms_norm_modulate", "toy_tanh_scale"]
-    assert [p.falls_through for p in patterns()] == [True, True, False, False, False]
+                                            "rms_norm_rope", "rms_norm_modulate", "toy_tanh_scale"]
+    assert [p.falls_through for p in patterns()] == [True, True, False, True, False, False]
 
 
 @pytest.mark.parametrize("first", ["adaptiveload.ops.residual_norm_modulate.pattern",
-                                   "adaptiveload.ops.rms_norm_modulate.pattern"])
+                                   "adaptiveload.ops.rms_norm_rope.pattern", "adaptiveload.ops.rms_norm_modulate.pattern"])
 def test_builtin_order_does_not_depend_on_which_module_is_imported_first(first):
     """Importing a built-in pattern module first (it then registers after the modules its import
-    loads) leaves the order of BUILTIN_MODULES: the residual sites ahead of the plain ones."""
+    loads) leaves the order of BUILTIN_MODULES: the residual sites ahead of the plain ones, the q/k
+    RMSNorm -> RoPE site ahead of the RMSNorm->modulate one."""
     code = (f"import importlib; importlib.import_module({first!r}); "
             "from adaptiveload.fxfuse import patterns; print(' '.join(p.name for p in patterns()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["residual_adaln_modulate", "residual_rms_norm_modulate", "adaln_modulate", "rms_norm_modulate"]
+    assert out == ["residual_adaln_modulate", "residual_rms_norm_modulate", "adaln_modulate", "rms_norm_rope",
+                   "rms_norm_modulate"]
 
 
 def test_registration_errors(toy_pattern):
