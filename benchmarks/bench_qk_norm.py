@@ -12,7 +12,10 @@ in bf16 (cos, sin and the weights too, as in a model cast whole to bf16), for q 
 * ``norm``: the two RMSNorms alone;
 * ``rope``: the two rotations alone, of given [B, S, H, Dh] tensors;
 
-each eager and compiled by Inductor (``torch.compile``), forward alone and forward + backward
+each eager and compiled by Inductor (``torch.compile``), and ``norm+rope`` also as the fused op
+``torch.ops.adaptiveload.rms_norm_rope`` (``op``: called directly, q and k one call each) and compiled
+with ``backend="adaptiveload"`` (``adaptiveload``: the pass folds each site into that op, Inductor
+compiles the rest; the script checks that both sites were folded), forward alone and forward + backward
 (``torch.autograd.grad`` of every input that a model trains: q, k and the weights), GPU time as
 triton.testing.do_bench's median in ms, and as a fraction of speed-of-light: the x-sized bf16
 tensors that must move over the copy bandwidth measured in the same run. Forward: read q and k, write
@@ -21,8 +24,8 @@ gradients (6) for ``norm+rope`` and ``norm``; ``rope``'s backward reads the two 
 two (4). Weights, cos, sin and per-row statistics are not counted.
 
 Writes ``<out>/qk_norm_<tag>.json`` and ``.md`` with the GPU, torch version, date and exact command.
-Usage: python benchmarks/bench_qk_norm.py [--shapes 12x1560 1x32760] [--heads 12] [--head-dim 128]
-       [--tag h200]
+Usage: python benchmarks/bench_qk_norm.py [--shapes 12x1560 1x32760] [--chains norm+rope norm rope]
+       [--heads 12] [--head-dim 128] [--tag h200]
 """
 from __future__ import annotations
 
@@ -32,7 +35,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
+import adaptiveload  # noqa: F401  (the "adaptiveload" backend and torch.ops.adaptiveload.*)
 from op_bench import finish, start
 
 EPS = 1e-6
@@ -57,6 +62,22 @@ def norm(q, k, wq, wk):
 def norm_rope(q, k, wq, wk, cos, sin, heads):
     qn, kn = norm(q, k, wq, wk)
     return rope(qn.unflatten(2, (heads, -1)), cos, sin), rope(kn.unflatten(2, (heads, -1)), cos, sin)
+
+
+def fused(q, k, wq, wk, cos, sin, heads):
+    """norm_rope as the fused op: one call each for q and k (cos and sin at the pairs' positions)."""
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    op = torch.ops.adaptiveload.rms_norm_rope
+    return (op(q, wq, c, s, heads, EPS, q.dtype)[0], op(k, wk, c, s, heads, EPS, k.dtype)[0])
+
+
+def implementations(chain: str, fn, heads: int) -> list:
+    """(name, callable) of each implementation timed for the chain."""
+    impls = [("eager", fn), ("inductor", torch.compile(fn))]
+    if chain == "norm+rope":
+        impls += [("adaptiveload", torch.compile(fn, backend="adaptiveload")),
+                  ("op", lambda *a: fused(*a, heads))]
+    return impls
 
 
 def inputs(B: int, S: int, heads: int, head_dim: int, chain: str, gen: torch.Generator) -> tuple:
@@ -100,6 +121,7 @@ def time_chain(tt, fn, args: tuple) -> tuple[float, float]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["12x1560", "1x32760"], help="BxS")
+    parser.add_argument("--chains", nargs="+", default=list(MOVES), choices=list(MOVES))
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -114,10 +136,17 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         B, S = (int(v) for v in shape.lower().split("x"))
         x_bytes = B * S * args.heads * args.head_dim * 2
-        for chain, (m_fwd, m_both) in MOVES.items():
+        for chain in args.chains:
+            m_fwd, m_both = MOVES[chain]
             fn, chain_args = inputs(B, S, args.heads, args.head_dim, chain, gen)
-            for impl, f in (("eager", fn), ("inductor", torch.compile(fn))):
+            for impl, f in implementations(chain, fn, args.heads):
+                torch._dynamo.reset()
+                counters.clear()
                 fwd_ms, both_ms = time_chain(tt, f, chain_args)
+                if impl == "adaptiveload" and counters["adaptiveload"]["rms_norm_rope.fused"] < 2:
+                    print(f"the backend folded {dict(counters['adaptiveload'])} rms_norm_rope sites, not 2 a compile",
+                          file=sys.stderr)
+                    return 1
                 row = {"B": B, "S": S, "heads": args.heads, "head_dim": args.head_dim, "chain": chain, "impl": impl,
                        "fwd_ms": fwd_ms, "fwd_bwd_ms": both_ms,
                        "fwd_frac_sol": m_fwd * x_bytes / bw * 1e3 / fwd_ms,

@@ -34,6 +34,9 @@
 #              (-k "not property"; SEGMENTED_TESTS_TIMEOUT) -> $OUT/segmented_tests.log, then
 #              benchmarks/bench_segmented.py for adaln_modulate and the Wan residual site, speed only
 #              -> $OUT/segmented_${SEGMENTED_TAG:-h200}.json / .md and segmented_${SEGMENTED_TAG:-h200}_residual.*
+#   rope       the q/k RMSNorm -> RoPE op (csrc/rms_norm_rope/): its CUDA tests -> $OUT/rope_tests.log, then
+#              benchmarks/bench_qk_norm.py (eager, Inductor, the backend and the op; ROPE_ARGS)
+#              -> $OUT/qk_norm_${ROPE_TAG:-h200}.json / .md
 #   ltx        benchmarks/bench_dit_step.py --model ltx (diffusers LTX-Video training step, backend vs Inductor;
 #              needs diffusers as a wheel in .whl; LTX_ARGS) -> $OUT/ltx_step_${LTX_TAG:-h200}.json / .md
 #   wan        benchmarks/bench_dit_step.py --model wan --profile (diffusers Wan 2.1 1.3B shape, 10 layers, training
@@ -159,6 +162,14 @@ if want segmented; then
       --tag "${SEGMENTED_TAG:-h200}$suffix" >"$OUT/segmented_$op.log" 2>&1
     echo "bench_segmented --op $op: exit $?"; cat "$OUT/segmented_$op.log"
   done
+fi
+if want rope; then
+  timeout ${ROPE_TESTS_TIMEOUT:-240} python3 -m pytest $XDIST tests/ops/test_rms_norm_rope.py tests/fxfuse/test_rope_pattern.py \
+    -m cuda -q -p no:cacheprovider -W ignore::DeprecationWarning >"$OUT/rope_tests.log" 2>&1
+  echo "rope tests: exit $?"; tail -3 "$OUT/rope_tests.log"
+  timeout ${ROPE_TIMEOUT:-300} python3 benchmarks/bench_qk_norm.py --out "$OUT" --tag "${ROPE_TAG:-h200}" ${ROPE_ARGS:-} \
+    >"$OUT/rope.log" 2>&1
+  echo "rope: exit $?"; cat "$OUT/rope.log"
 fi
 if want ltx; then
   timeout ${LTX_TIMEOUT:-400} python3 benchmarks/bench_dit_step.py --model ltx --out "$OUT" --tag "${LTX_TAG:-h200}" \

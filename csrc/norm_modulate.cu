@@ -2,7 +2,8 @@
 // adaln_modulate; rms_forward / rms_backward: RMSNorm, for rms_norm_modulate; residual_forward /
 // residual_backward and residual_rms_*: the residual ops, whose bodies are in
 // residual_norm_modulate/residual_ops.cu; segmented_forward / segmented_backward: the segmented
-// layout of either norm, for adaptiveload/ops/segmented.py): validate every input
+// layout of either norm, for adaptiveload/ops/segmented.py; rope_forward / rope_backward: the q/k
+// RMSNorm -> RoPE op, whose bodies are in rms_norm_rope/rope_ops.cu): validate every input
 // at the boundary (one TORCH_CHECK per constraint, naming the tensor and what was expected), allocate
 // the outputs and launch on the current stream. The ops' dispatcher kernels for CUDA tensors
 // (norm_modulate_dispatch.cu) call op_forward / op_backward; the bindings serve the ops' Python CUDA
@@ -647,6 +648,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "shift?, rstd, x_dtype): the CUDA body of adaptiveload::residual_rms_norm_modulate_backward",
         py::arg("dout"), py::arg("dr"), py::arg("r"), py::arg("y"), py::arg("gate"), py::arg("weight"),
         py::arg("scale"), py::arg("shift"), py::arg("rstd"), py::arg("x_dtype"));
+  m.def("rope_forward", &adaln::rms_norm_rope_forward,
+        "y, rstd = rope_forward(x[B,...,D], weight?, cos, sin, heads, eps, out_dtype): the CUDA body of "
+        "adaptiveload::rms_norm_rope (inputs validated by the caller)",
+        py::arg("x"), py::arg("weight"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("eps"),
+        py::arg("out_dtype"));
+  m.def("rope_backward", &adaln::rms_norm_rope_backward,
+        "dx, dweight = rope_backward(dy, x, weight?, cos, sin, rstd, weight_grad): dx and dweight of "
+        "adaptiveload::rms_norm_rope_backward (dweight an empty [0] tensor without a weight or weight_grad)",
+        py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("cos"), py::arg("sin"), py::arg("rstd"),
+        py::arg("weight_grad"));
   m.def("segmented_forward",
         [](const at::Tensor& x, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
            const at::Tensor& scale, const c10::optional<at::Tensor>& shift, const at::Tensor& segment_ids, double eps,

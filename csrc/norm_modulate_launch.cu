@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(256) reduce_totals_kernel(const float* __restr
   float dw = 0.f, db = 0.f;
   for (int g = 0; g < groups; ++g) {
     dw += totals[2 * g * static_cast<int64_t>(D) + d];
-    db += totals[(2 * g + 1) * static_cast<int64_t>(D) + d];
+    if (dbias) db += totals[(2 * g + 1) * static_cast<int64_t>(D) + d];  // (a plane only dbias fills)
   }
   if (dweight) dweight[d] = dw;
   if (dbias) dbias[d] = db;

@@ -105,6 +105,14 @@ Tensors6 residual_rms_backward(const at::Tensor& dout, const c10::optional<at::T
                                const c10::optional<at::Tensor>& shift, const at::Tensor& rstd,
                                at::ScalarType x_dtype);
 
+// y [*x.shape[:-1], heads, Dh], rstd: the q/k RMSNorm -> RoPE op (csrc/rms_norm_rope/rope_ops.cu)
+Tensors2 rms_norm_rope_forward(const at::Tensor& x, const c10::optional<at::Tensor>& weight, const at::Tensor& cos,
+                               const at::Tensor& sin, int64_t heads, double eps, at::ScalarType out_dtype);
+// dx, dweight (an empty [0] tensor without a weight or with weight_grad false)
+Tensors2 rms_norm_rope_backward(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                                const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& rstd,
+                                bool weight_grad);
+
 // Kernel choices a benchmark or test may force (adaptiveload/ops/_tuning.py: override); each
 // default is "the launcher's choice", from the shape, the dtypes, the layout and the device, which
 // is what every call makes unless an override is set. Process-wide.

@@ -258,11 +258,13 @@ def autograd_kernel(op: torch._ops.OpOverload, function: type[torch.autograd.Fun
     return kernel
 
 
-def differentiable(lib: torch.library.Library, name: str, n_tensors: int) -> None:
+def differentiable(lib: torch.library.Library, name: str, n_tensors: int, output_mask: bool = False) -> None:
     """Register the Autograd kernels of ``name`` and ``name_backward`` (the conventions of the
     module doc): the forward saves its ``n_tensors`` tensor inputs and its statistics outputs (which
     are non-differentiable) and its backward calls ``name_backward``, keeping the gradients of the
-    inputs that need one; ``name_backward`` has no derivative (:func:`first_derivative_only`)."""
+    inputs that need one; ``name_backward`` has no derivative (:func:`first_derivative_only`). With
+    ``output_mask``, ``name_backward`` takes a last argument ``bool[n_tensors] output_mask`` (aten's
+    convention, e.g. ``native_layer_norm_backward``): which of the tensor inputs need a gradient."""
     forward = getattr(torch.ops.adaptiveload, name).default
     backward = getattr(torch.ops.adaptiveload, f"{name}_backward").default
 
@@ -277,8 +279,8 @@ def differentiable(lib: torch.library.Library, name: str, n_tensors: int) -> Non
 
         @staticmethod
         def backward(ctx, dy, *_dstats):
-            grads = backward(dy, *ctx.saved_tensors)
             needs = ctx.needs_input_grad[1:1 + n_tensors]
+            grads = backward(dy, *ctx.saved_tensors, *([list(needs)] if output_mask else []))
             extra = len(ctx.needs_input_grad) - 1 - n_tensors  # eps, out_dtype
             return (None, *(g if need else None for g, need in zip(grads, needs)), *([None] * extra))
 

@@ -194,7 +194,8 @@ def _project_wan(checkpointing: bool):
     # adaptiveload/models/wan.py writes Wan's block (see _wan): whole-model compile, 1 plain and 3L
     # residual. With activation checkpointing each block is a checkpointed region (a subgraph of its
     # own): norm1 reads the region's input, and the head the last region's output: L + 1 plain,
-    # 2L residual (norm2, norm3), all but the head inside the regions.
+    # 2L residual (norm2, norm3), all but the head inside the regions. Either way the self-attention's
+    # q and k RMSNorm -> RoPE (apply_rope's stacked form): 2L rms_norm_rope.
     from adaptiveload.models import build_model, make_inputs
 
     model = build_model("tiny", activation_checkpointing=checkpointing).train()
@@ -203,7 +204,7 @@ def _project_wan(checkpointing: bool):
     kwargs = dict(latents=latents, timestep=timestep, context=context)
     L = model.config.num_layers
     whole = {ADALN: L + 1, RES_ADALN: 2 * L} if checkpointing else {ADALN: 1, RES_ADALN: 3 * L}
-    return model, kwargs, Sites(whole, {ADALN: L, RES_ADALN: 2 * L}, ("blocks",))
+    return model, kwargs, Sites({**whole, ROPE: 2 * L}, {ADALN: L, RES_ADALN: 2 * L, ROPE: 2 * L}, ("blocks",))
 
 
 MODELS = {

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaptiveload.fxfuse import collect_reports
+from adaptiveload.models.rope import apply_rope
 from adaptiveload.ops.rms_norm_rope import pattern as rope_pattern
 
 HEADS, HEAD_DIM = 2, 8
@@ -46,6 +47,26 @@ def rotation_into_float32(hidden_states, freqs_cos, freqs_sin):
     out[..., 0::2] = x1 * cos - x2 * sin
     out[..., 1::2] = x1 * sin + x2 * cos
     return out.type_as(hidden_states)
+
+
+def stacked_rotation(hidden_states, freqs_cos, freqs_sin):
+    """adaptiveload's own Wan model (``adaptiveload.models.rope.apply_rope``: a cast to the tables'
+    dtype, ``torch.stack`` of the even and odd outputs, ``flatten``, a cast back) on [S, Dh / 2] tables."""
+    return apply_rope(hidden_states, freqs_cos[0, :, 0, 0::2], freqs_sin[0, :, 0, 1::2])
+
+
+def stacked_odd_first(hidden_states, freqs_cos, freqs_sin):
+    """Not the rotation: the stack puts the odd outputs first."""
+    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    return torch.stack([x1 * sin + x2 * cos, x1 * cos - x2 * sin], dim=-1).flatten(-2)
+
+
+def stacked_along_pairs(hidden_states, freqs_cos, freqs_sin):
+    """Not the rotation: the even and odd halves stacked along another dim (not interleaved)."""
+    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-2).flatten(-2)
 
 
 class Attention(nn.Module):
@@ -96,19 +117,23 @@ def _compiled_run(module, args):
     return loss, grads, reports, calls
 
 
+@pytest.mark.parametrize("rotate, variant", [(apply_rotary_emb, rope_pattern.VARIANT),
+                                             (stacked_rotation, rope_pattern.VARIANT_STACK)])
 @pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_wan_attention_folds_q_and_k_and_trains_as_eager(dtype, rtol):
-    """Both sites folded; loss and every gradient equal eager's (in bf16 within its rounding: the op
-    rounds once where the chain rounds after each step, as Inductor's generated kernel does)."""
+def test_wan_attention_folds_q_and_k_and_trains_as_eager(rotate, variant, dtype, rtol):
+    """Both sites folded, in either written form of the rotation; loss and every gradient equal eager's
+    (in bf16 within its rounding: the op rounds once where the chain rounds after each step, as
+    Inductor's generated kernel does)."""
     torch.manual_seed(0)
-    module, args = Attention().to(dtype), tuple(t.to(dtype) for t in _inputs())
+    module, args = Attention(rotate=rotate).to(dtype), tuple(t.to(dtype) for t in _inputs())
     ref_loss = _loss(module(*args))
     ref_grads = torch.autograd.grad(ref_loss, list(module.parameters()))
     loss, grads, reports, calls = _compiled_run(module, args)
     (report,) = reports
     rope = report.of_pattern("rms_norm_rope")
     assert rope.fused == 2 and rope.skipped == 0, report.table()
-    assert all(c.norm == "F.rms_norm" and c.affine for c in rope.chains), report.table()  # (nn.RMSNorm inlined)
+    assert all(c.norm == "F.rms_norm" and c.affine and c.variant == variant for c in rope.chains), report.table()
+    # (nn.RMSNorm inlined)
     assert calls == {"adaptiveload::rms_norm_rope": 2}
     torch.testing.assert_close(loss, ref_loss, rtol=rtol / 10, atol=1e-6)
     for g, r in zip(grads, ref_grads):  # (plus an absolute floor: the key bias's true gradient is ~0)
@@ -119,6 +144,8 @@ def test_wan_attention_folds_q_and_k_and_trains_as_eager(dtype, rtol):
     (dict(leak=True), 1, "is also read by"),  # the split query also leaves the graph: k's site alone folds
     (dict(rotate=other_rotation), 0, None),  # not the rotation: no site
     (dict(rotate=rotation_into_float32), 0, None),  # a buffer of another dtype: no site
+    (dict(rotate=stacked_odd_first), 0, None),  # the stack's outputs swapped: no site
+    (dict(rotate=stacked_along_pairs), 0, None),  # stacked along another dim: no site
     (dict(rope=False), 0, None),  # a plain q/k norm: no site
 ])
 def test_what_is_not_a_site_is_left_as_written(kwargs, fused, reason):

@@ -13,8 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import adaptiveload  # noqa: F401  (registers torch.ops.adaptiveload.*)
+from adaptiveload.ops import extension
+from adaptiveload.ops.rms_norm_rope import op as rope_op
 from adaptiveload.ops.rms_norm_rope import rms_norm_rope, rms_norm_rope_backward
-from adaptiveload.ops.testing import GRAD_LAYOUTS, OPCHECK_UTILS, TOL, check_op_against_float64, lay_out_grad
+from adaptiveload.ops.testing import (GRAD_LAYOUTS, OPCHECK_UTILS, TOL, assert_rel, check_op_against_float64,
+                                      lay_out_grad, rel_err)
 
 EPS = 1e-6
 
@@ -46,6 +49,7 @@ def tables(rows, head_dim, layout, dtype, gen):
 
 
 def inputs(rows, heads, head_dim, dtype, layout, affine, seed):
+    """x [*rows, heads * head_dim], weight or None, freqs_cos, freqs_sin (on CPU) and the generator."""
     gen = torch.Generator().manual_seed(seed)
     D = heads * head_dim
     x = (2 * torch.randn(*rows, D, generator=gen, dtype=torch.float64) + 0.3).to(dtype)
@@ -54,11 +58,13 @@ def inputs(rows, heads, head_dim, dtype, layout, affine, seed):
     return x, weight, freqs_cos, freqs_sin, gen
 
 
-def check(rows, heads, head_dim, dtype, layout, affine, seed, grad_layout="contiguous"):
+def check(rows, heads, head_dim, dtype, layout, affine, seed, grad_layout="contiguous", device="cpu"):
     x, weight, freqs_cos, freqs_sin, gen = inputs(rows, heads, head_dim, dtype, layout, affine, seed)
+    x, weight, freqs_cos, freqs_sin = (None if t is None else t.to(device) for t in (x, weight, freqs_cos, freqs_sin))
     # cos and sin as the op receives them: strided views of the tables (no copy)
     named = {"x": x, "weight": weight, "cos": freqs_cos[..., 0::2], "sin": freqs_sin[..., 1::2]}
     dy = lay_out_grad(grad_layout, torch.randn(*rows, heads, head_dim, generator=gen, dtype=torch.float64).to(dtype))
+    dy = dy.to(device)
 
     def op_fn(v):
         y, rstd = rms_norm_rope(v["x"], v.get("weight"), v["cos"], v["sin"], heads, EPS, dtype)
@@ -121,16 +127,17 @@ def test_opcheck(affine):
     torch.library.opcheck(rms_norm_rope.default, (x, weight, cos, sin, 2, EPS, torch.bfloat16), test_utils=OPCHECK_UTILS)
     y, rstd = rms_norm_rope(x.detach(), None if weight is None else weight.detach(), cos, sin, 2, EPS, torch.float32)
     dy = torch.randn_like(y)
-    torch.library.opcheck(rms_norm_rope_backward.default, (dy, x.detach(), None if weight is None else weight.detach(),
-                                                           cos, sin, rstd),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    for mask in ([True] * 4, [True, affine, False, False]):
+        torch.library.opcheck(rms_norm_rope_backward.default,
+                              (dy, x.detach(), None if weight is None else weight.detach(), cos, sin, rstd, mask),
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 def test_an_absent_weight_gets_an_empty_gradient_and_no_double_backward():
     x, _, freqs_cos, freqs_sin, _ = inputs((2, 3), 1, 4, torch.float32, "positions", False, 2)
     cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
     y, rstd = rms_norm_rope(x, None, cos, sin, 1, EPS, torch.float32)
-    dx, dweight, dcos, dsin = rms_norm_rope_backward(torch.ones_like(y), x, None, cos, sin, rstd)
+    dx, dweight, dcos, dsin = rms_norm_rope_backward(torch.ones_like(y), x, None, cos, sin, rstd, [True] * 4)
     assert dx.shape == x.shape and dweight.shape == (0,) and dcos.shape == cos.shape and dsin.shape == sin.shape
     x.requires_grad_(True)
     (g,) = torch.autograd.grad(rms_norm_rope(x, None, cos, sin, 1, EPS, torch.float32)[0].sum(), x, create_graph=True)
@@ -161,6 +168,143 @@ def test_bad_backward_inputs_are_named():
     x, cos, sin = torch.randn(2, 5, 16), torch.ones(1, 5, 1, 4), torch.zeros(1, 5, 1, 4)
     y, rstd = rms_norm_rope(x, None, cos, sin, 2, EPS, torch.float32)
     with pytest.raises(ValueError, match=r"dy \(shape \[2, 5, 16\].*must have y's shape"):
-        rms_norm_rope_backward(torch.ones(2, 5, 16), x, None, cos, sin, rstd)
+        rms_norm_rope_backward(torch.ones(2, 5, 16), x, None, cos, sin, rstd, [True] * 4)
     with pytest.raises(ValueError, match=r"rstd \(shape \[2, 4\].*one per row of x"):
-        rms_norm_rope_backward(torch.ones_like(y), x, None, cos, sin, rstd[:, :4])
+        rms_norm_rope_backward(torch.ones_like(y), x, None, cos, sin, rstd[:, :4], [True] * 4)
+
+
+def test_output_mask_leaves_out_the_gradients_not_asked_for():
+    """The backward's output_mask: dx always; dweight, dcos and dsin only where asked, each equal to the
+    full call's; autograd asks for the inputs that require grad (here x alone)."""
+    x, weight, freqs_cos, freqs_sin, gen = inputs((2, 5), 2, 8, torch.float32, "positions", True, 3)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    y, rstd = rms_norm_rope(x, weight, cos, sin, 2, EPS, torch.float32)
+    dy = torch.randn(y.shape, generator=gen)
+    full = rms_norm_rope_backward(dy, x, weight, cos, sin, rstd, [True] * 4)
+    part = rms_norm_rope_backward(dy, x, weight, cos, sin, rstd, [False, True, False, True])
+    assert [tuple(g.shape) for g in part] == [tuple(x.shape), tuple(weight.shape), (0,), tuple(sin.shape)]
+    for i in (0, 1, 3):
+        torch.testing.assert_close(part[i], full[i], rtol=0, atol=0)
+    leaf = x.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(rms_norm_rope(leaf, weight, cos, sin, 2, EPS, torch.float32)[0], leaf, dy)
+    torch.testing.assert_close(g, full[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"output_mask \[True, True, True\] must have 4 flags"):
+        rms_norm_rope_backward(dy, x, weight, cos, sin, rstd, [True] * 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA kernels (skipped without a GPU)
+
+
+@pytest.fixture
+def kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if extension.kernels() is None:
+        pytest.skip("the CUDA kernels could not be built")
+
+
+def check_kernels(rows, heads, head_dim, dtype, layout, affine, seed, out_dtype=None, x_view=False):
+    """The kernels' y, rstd, dx and dweight against the Wan chain in float64, with float32 rotation
+    tables that need no gradient (as the models' are), so the kernels serve forward and backward.
+    x_view: x as every other row of a larger tensor (which the host makes contiguous)."""
+    out_dtype = out_dtype or dtype
+    x, weight, freqs_cos, freqs_sin, gen = inputs(rows, heads, head_dim, dtype, layout, affine, seed)
+    cos, sin = freqs_cos.float().cuda()[..., 0::2], freqs_sin.float().cuda()[..., 1::2]
+    dy = torch.randn(*rows, heads, head_dim, generator=gen).to("cuda", out_dtype)
+    if x_view:
+        big = torch.full((*rows[:-1], 2 * rows[-1], x.shape[-1]), float("nan"), dtype=dtype, device="cuda")
+        big[..., ::2, :] = x.cuda()
+        x = big.requires_grad_(True)[..., ::2, :]
+    else:
+        x = x.cuda().requires_grad_(True)
+    weight = None if weight is None else weight.cuda().requires_grad_(True)
+    leaves = [t for t in (x, weight) if t is not None]
+    assert rope_op._kernels_take(x, weight, cos, sin, heads, out_dtype, EPS)
+    y, rstd = rms_norm_rope(x, weight, cos, sin, heads, EPS, out_dtype)
+    assert y.dtype == out_dtype and y.shape == (*rows, heads, head_dim) and rstd.dtype == torch.float32
+    grads = torch.autograd.grad(y, leaves, dy)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref = wan_chain(ref_leaves[0], ref_leaves[1] if affine else None, cos.double().repeat_interleave(2, -1),
+                    sin.double().repeat_interleave(2, -1), heads)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dy.double())
+    tol = TOL[dtype]
+    assert_rel(y, ref, tol, "y")
+    assert_rel(rstd, (ref_leaves[0].detach().square().mean(-1) + EPS).rsqrt(), tol, "rstd")
+    for name, g, r, leaf in zip(("dx", "dweight"), grads, ref_grads, leaves):
+        assert g.shape == leaf.shape and g.dtype == leaf.dtype, f"{name}: {g.shape}/{g.dtype}"
+        assert_rel(g, r, 2 * tol, name)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows, heads, head_dim", [
+    ((2, 5), 1, 2), ((1, 7, 3), 2, 4), ((3, 9), 3, 10), ((2, 33), 12, 128), ((1, 9), 40, 128), ((2, 4), 16, 256),
+    ((1, 3), 64, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["positions", "rows", "shared"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_kernels_match_float64(kernels, rows, heads, head_dim, dtype, layout, affine):
+    """Row widths from one pair to kMaxFeatures = 16,384 (one to four groups a thread; D = 30 off the
+    16-byte vector), every table layout, with and without a weight."""
+    check_kernels(rows, heads, head_dim, dtype, layout, affine, seed=sum(rows) + heads)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_kernels_with_y_in_another_dtype(kernels, dtype, out_dtype):
+    """y (and so dy) in a dtype other than x's: the backward reads dy in its own dtype."""
+    check_kernels((2, 17), 12, 128, dtype, "positions", True, 5, out_dtype=out_dtype)
+
+
+@pytest.mark.cuda
+def test_kernels_take_a_strided_x(kernels):
+    check_kernels((3, 11), 4, 64, torch.bfloat16, "positions", True, 6, x_view=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("D_heads", [(1536, 12), (5120, 40)])
+def test_kernels_backward_is_bit_identical_across_runs(kernels, D_heads):
+    """Many rows a block (B * S = 8,192 rows, a wave of blocks): dweight summed in a fixed order."""
+    D, heads = D_heads
+    x, weight, freqs_cos, freqs_sin, gen = inputs((2, 4096), heads, D // heads, torch.bfloat16, "positions", True, 7)
+    x, weight = x.cuda(), weight.cuda()
+    cos, sin = freqs_cos.float().cuda()[..., 0::2], freqs_sin.float().cuda()[..., 1::2]
+    y, rstd = rms_norm_rope(x, weight, cos, sin, heads, EPS, torch.bfloat16)
+    dy = torch.randn(y.shape, generator=gen).to("cuda", torch.bfloat16)
+    mask = [True, True, False, False]
+    first = rms_norm_rope_backward(dy, x, weight, cos, sin, rstd, mask)
+    for _ in range(3):
+        for a, b in zip(first, rms_norm_rope_backward(dy, x, weight, cos, sin, rstd, mask)):
+            assert torch.equal(a, b)
+    ref = [g.to("cuda", first[i].dtype) for i, g in enumerate(rms_norm_rope_backward(
+        dy.cpu(), x.cpu(), weight.cpu(), cos.cpu(), sin.cpu(), rstd.cpu(), mask)[:2])]
+    assert_rel(first[0], ref[0], 2 * TOL[torch.bfloat16], "dx")
+    assert_rel(first[1], ref[1], 2 * TOL[torch.bfloat16], "dweight")
+
+
+@pytest.mark.cuda
+def test_kernels_bf16_at_least_as_accurate_as_the_eager_chain(kernels):
+    """bf16: one rounding of y (the kernels) against eager's rounding of the norm's output before the
+    rotation; y and dx no further from float64 than the eager chain's."""
+    x, weight, freqs_cos, freqs_sin, gen = inputs((2, 1560), 12, 128, torch.bfloat16, "positions", True, 8)
+    x, weight = x.cuda(), weight.cuda()
+    fc, fs = freqs_cos.float().cuda(), freqs_sin.float().cuda()
+    dy = torch.randn(2, 1560, 12, 128, generator=gen).to("cuda", torch.bfloat16)
+
+    def run(fn, cast):
+        leaf = x.detach().to(cast).requires_grad_(True)
+        y = fn(leaf)
+        return y.detach(), torch.autograd.grad(y, leaf, dy.to(cast))[0]
+
+    ref = run(lambda v: wan_chain(v, weight.double(), fc.double(), fs.double(), 12), torch.float64)
+    fused = run(lambda v: rms_norm_rope(v, weight, fc[..., 0::2], fs[..., 1::2], 12, EPS, torch.bfloat16)[0],
+                torch.bfloat16)
+    eager = run(lambda v: wan_chain(v, weight, fc, fs, 12), torch.bfloat16)
+    for i, what in enumerate(("y", "dx")):
+        assert rel_err(fused[i], ref[i]) <= rel_err(eager[i], ref[i]) * 1.01, what
+
+
+@pytest.mark.cuda
+def test_tables_that_need_a_gradient_take_the_reference_on_cuda(kernels):
+    """cos and sin that require grad: their gradients (and the call's others) from the reference."""
+    check(((2, 5)), 2, 8, torch.float32, "positions", True, 9, device="cuda")

@@ -64,9 +64,10 @@ def test_default_cpu_run_end_to_end(tmp_path, run_cli):
     (run,) = results["runs"]
     _check_run(run, world_size=1, steps=6)
     assert run["backend"] == "adaptiveload(eager)" and run["policy"] == "dual"
-    # per forward, in each of the 2 compiled blocks: norm1 (adaln_modulate), and norm2 and norm3 with the
-    # residual in front of each (residual_adaln_modulate); the head's chain runs in the eager root
-    assert run["fused_chains"] == run["seen_chains"] == 2 * 3
+    # per forward, in each of the 2 compiled blocks: norm1 (adaln_modulate), norm2 and norm3 with the
+    # residual in front of each (residual_adaln_modulate), and the self-attention's q and k RMSNorm ->
+    # RoPE (rms_norm_rope); the head's chain runs in the eager root
+    assert run["fused_chains"] == run["seen_chains"] == 2 * 5
     assert 1 <= run["compiled_graphs"] <= 2  # blocks: one graph per batch-size class (B = 1 or not), not per bucket
     assert run["compiled_graphs_in_training"] == 0 and run["compile_steps"] == []  # all compiled in warm-up
     assert run["compute_load_cv"] == 0 and run["idle_fraction"] == 0  # one rank
@@ -91,7 +92,7 @@ def test_activation_checkpointing_run_fuses_inside_checkpointed_blocks(tmp_path,
     (run,) = _results(out)["runs"]
     _check_run(run, world_size=1, steps=6)
     assert run["model"]["activation_checkpointing"] is True
-    assert run["fused_chains"] == run["seen_chains"] == 2 * 3 and run["compiled_graphs_in_training"] == 0
+    assert run["fused_chains"] == run["seen_chains"] == 2 * 5 and run["compiled_graphs_in_training"] == 0
 
 
 @pytest.mark.slow

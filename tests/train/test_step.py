@@ -158,7 +158,8 @@ def test_residual_sites_fold_inside_checkpointed_blocks_and_match_eager():
     """Regional compile with activation checkpointing on CPU, where the residual ops fuse: in each
     of the L blocks norm1 is fused by adaln_modulate, and norm2 and norm3 together with the residual
     update in front of each by residual_adaln_modulate (the FFN residual feeds the next block's norm1
-    across the region boundary; the head runs eagerly). A step runs each forward op twice (the
+    across the region boundary; the head runs eagerly), the self-attention's q and k RMSNorm -> RoPE by
+    rms_norm_rope. A step runs each forward op twice (the
     forward, and the backward's recomputation of the checkpointed block) and each backward op once,
     and its loss and every gradient match the un-checkpointed eager step's."""
     torch._dynamo.reset()
@@ -180,7 +181,8 @@ def test_residual_sites_fold_inside_checkpointed_blocks_and_match_eager():
     calls = collections.Counter(e.name for e in prof.events() if e.name.startswith("adaptiveload::"))
     assert calls == {"adaptiveload::adaln_modulate": 2 * L, "adaptiveload::adaln_modulate_backward": L,
                      "adaptiveload::residual_adaln_modulate": 2 * 2 * L,
-                     "adaptiveload::residual_adaln_modulate_backward": 2 * L}
+                     "adaptiveload::residual_adaln_modulate_backward": 2 * L,
+                     "adaptiveload::rms_norm_rope": 2 * 2 * L, "adaptiveload::rms_norm_rope_backward": 2 * L}
     assert losses["adaptiveload"] == pytest.approx(losses["reference"], rel=1e-5)
     ref, got = _grads(steps["reference"]), _grads(steps["adaptiveload"])
     assert ref.keys() == got.keys() and ref
@@ -343,8 +345,8 @@ _GRAD_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("backend", ["eager", "adaptiveload"])
 def test_fsdp2_gradients_match_one_process(tmp_path, run_script, backend):
     """2 ranks (gloo, FSDP2) with 3 and 1 samples give the gradient one process computes on all 4;
-    with the fused backend each block's graph holds norm1 (adaln_modulate) and norm2, norm3 with
-    their residuals (residual_adaln_modulate)."""
+    with the fused backend each block's graph holds norm1 (adaln_modulate), norm2, norm3 with
+    their residuals (residual_adaln_modulate) and the q/k RMSNorm -> RoPE (rms_norm_rope)."""
     script = tmp_path / "grads.py"
     script.write_text(_GRAD_SCRIPT)
     out = tmp_path / "grads.pt"
@@ -352,7 +354,8 @@ def test_fsdp2_gradients_match_one_process(tmp_path, run_script, backend):
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = torch.load(out)
     distributed = saved["grads"]
-    assert saved["fused"] == ({"adaln_modulate": 1, "residual_adaln_modulate": 2} if backend == "adaptiveload" else {})
+    assert saved["fused"] == ({"adaln_modulate": 1, "residual_adaln_modulate": 2, "rms_norm_rope": 2}
+                              if backend == "adaptiveload" else {})
     step, spec = _tiny_step()
     dataset = LatentDataset([[2, 4, 4]] * 3 + [[5, 6, 8]], spec, seed=11)
     step.forward_backward(collate([dataset[i] for i in range(3)]), 4)

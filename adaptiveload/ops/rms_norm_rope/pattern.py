@@ -10,8 +10,10 @@ rotated pair by pair, as diffusers' Wan attention writes it (``WanAttnProcessor`
     out[..., 1::2] = x1 * sin + x2 * cos
     q = out.type_as(q)
 
-rewritten into ``rms_norm_rope(x, weight, cos, sin, heads, eps, out_dtype)`` (the products and sums in
-either operand order), on the device types of :data:`~adaptiveload.ops.rms_norm_rope.op.FUSED_DEVICES`
+or as adaptiveload's own Wan model writes the rotation (``adaptiveload.models.rope.apply_rope``: an
+optional cast, ``torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)``, an
+optional cast back), rewritten into ``rms_norm_rope(x, weight, cos, sin, heads, eps, out_dtype)`` (the
+products and sums in either operand order), on the device types of :data:`~adaptiveload.ops.rms_norm_rope.op.FUSED_DEVICES`
 (elsewhere the site is left as written, recorded as deferred). Where the norm's output or the split heads are also read elsewhere the site is
 left alone, with the reason; a norm with no such rotation behind it is not this pattern's (it falls
 through to ``rms_norm_modulate``). Registered with the fusion pass on import."""
@@ -31,6 +33,7 @@ from adaptiveload.fxfuse.registry import Match, register_pattern
 from adaptiveload.ops.rms_norm_rope.op import FUSED_DEVICES, rms_norm_rope
 
 VARIANT = "rms_norm->heads->rope(empty_like, setitem even/odd)"
+VARIANT_STACK = "rms_norm->heads->rope(stack even/odd, flatten)"
 _EVEN, _ODD = (Ellipsis, slice(0, None, 2)), (Ellipsis, slice(1, None, 2))
 
 
@@ -105,40 +108,25 @@ def _is_product_of(node: Any, a: Node, b: Node) -> bool:
     return ops is not None and set(map(id, ops)) == {id(a), id(b)} and len(node.users) == 1
 
 
-def _rotation(split: Node) -> Optional[tuple[Node, Node, list[Node]]]:
-    """``(cos, sin, nodes)`` of diffusers' ``apply_rotary_emb`` on ``split`` (module doc), the nodes
-    in graph order with the final one last; None where the users of ``split`` are anything else."""
-    pair = empty = final = None  # (other users of split: the match's reason)
-    for user in split.users:
-        if _method_or_function(user, "unflatten", torch.unflatten) and tuple(user.args[1:3]) == (-1, (-1, 2)):
-            pair = user if pair is None else pair
-        elif (user.op == "call_function" and user.target is torch.empty_like and user.args == (split,)
-              and not user.kwargs):  # (a dtype= or memory_format= of its own is another computation)
-            empty = user if empty is None else empty
-        elif _method_or_function(user, "type_as", None) and user.args[1:] == (split,):
-            final = user if final is None else final
-    if pair is None or empty is None:
-        return None
+def _halves(pair: Node) -> Optional[tuple[Node, Node, Node]]:
+    """``(unbind, x1, x2)`` of ``pair = t.unflatten(-1, (-1, 2))``: its single ``unbind(-1)`` and the two
+    halves read from it; None for anything else."""
     unbind = _single_user(pair, lambda u: _method_or_function(u, "unbind", torch.unbind) and tuple(u.args[1:]) == (-1,))
     if unbind is None:
         return None
     halves = {u.args[1]: u for u in unbind.users if u.op == "call_function" and u.target is operator.getitem}
     if set(halves) != {0, 1} or len(unbind.users) != 2:
         return None
-    x1, x2 = halves[0], halves[1]
-    if final is None or final.args[0] is not empty:
-        return None  # the rotated tensor is read from `empty` itself: not the form written above
-    stores = [None, None]  # the setitems of the even and the odd positions
-    for user in empty.users:
-        if user.op == "call_function" and user.target is operator.setitem and user.args[0] is empty:
-            if user.args[1] not in (_EVEN, _ODD):  # (slices compare by value; they are not hashable)
-                return None
-            stores[0 if user.args[1] == _EVEN else 1] = user
-        elif user is not final:
-            return None
-    if None in stores or len(empty.users) != 3:
-        return None
-    even, odd = stores[0].args[2], stores[1].args[2]
+    return unbind, halves[0], halves[1]
+
+
+def _is_pair_split(node: Node) -> bool:
+    return _method_or_function(node, "unflatten", torch.unflatten) and tuple(node.args[1:3]) == (-1, (-1, 2))
+
+
+def _rotated(x1: Node, x2: Node, even: Any, odd: Any) -> Optional[tuple[Node, Node, list[Node]]]:
+    """``(cos, sin, nodes)`` where ``even = x1 * cos - x2 * sin`` and ``odd = x1 * sin + x2 * cos`` (the
+    products and the sum in either operand order, each product read once); None otherwise."""
     sub, add = binary_operands(even, "sub"), binary_operands(odd, "add")
     if sub is None or add is None or not all(isinstance(v, Node) for v in (*sub, *add)):
         return None
@@ -154,11 +142,98 @@ def _rotation(split: Node) -> Optional[tuple[Node, Node, list[Node]]]:
     if not ((_is_product_of(a, x1, sin) and _is_product_of(b, x2, cos))
             or (_is_product_of(a, x2, cos) and _is_product_of(b, x1, sin))):
         return None
-    nodes = [split, pair, unbind, x1, x2, x1c, x2s, even, a, b, odd, empty, *stores, final]
+    return cos, sin, [x1c, x2s, even, a, b, odd]
+
+
+def _rotation_setitem(split: Node) -> Optional[tuple[Node, Node, list[Node]]]:
+    """``(cos, sin, nodes)`` of diffusers' ``apply_rotary_emb`` on ``split`` (module doc), the nodes
+    with the final one last; None where the users of ``split`` are anything else."""
+    pair = empty = final = None  # (other users of split: the match's reason)
+    for user in split.users:
+        if _is_pair_split(user):
+            pair = user if pair is None else pair
+        elif (user.op == "call_function" and user.target is torch.empty_like and user.args == (split,)
+              and not user.kwargs):  # (a dtype= or memory_format= of its own is another computation)
+            empty = user if empty is None else empty
+        elif _method_or_function(user, "type_as", None) and user.args[1:] == (split,):
+            final = user if final is None else final
+    found = _halves(pair) if pair is not None and empty is not None else None
+    if found is None:
+        return None
+    unbind, x1, x2 = found
+    if final is None or final.args[0] is not empty:
+        return None  # the rotated tensor is read from `empty` itself: not the form written above
+    stores = [None, None]  # the setitems of the even and the odd positions
+    for user in empty.users:
+        if user.op == "call_function" and user.target is operator.setitem and user.args[0] is empty:
+            if user.args[1] not in (_EVEN, _ODD):  # (slices compare by value; they are not hashable)
+                return None
+            stores[0 if user.args[1] == _EVEN else 1] = user
+        elif user is not final:
+            return None
+    if None in stores or len(empty.users) != 3:
+        return None
+    rotated = _rotated(x1, x2, stores[0].args[2], stores[1].args[2])
+    if rotated is None:
+        return None
+    cos, sin, math = rotated
     order = {n: i for i, n in enumerate(split.graph.nodes)}
     if not all(order[store] < order[final] for store in stores):
         return None
-    return cos, sin, sorted(nodes, key=order.__getitem__)
+    return cos, sin, [split, pair, unbind, x1, x2, *math, empty, *stores, final]
+
+
+def _cast(node: Any) -> bool:
+    """``t.to(dtype)`` / ``t.float()``: a dtype cast and nothing else."""
+    if not isinstance(node, Node) or node.op != "call_method" or node.kwargs:
+        return False
+    return (node.target == "float" and len(node.args) == 1) or (
+        node.target == "to" and len(node.args) == 2 and isinstance(node.args[1], torch.dtype))
+
+
+def _rotation_stack(split: Node) -> Optional[tuple[Node, Node, list[Node]]]:
+    """``(cos, sin, nodes)`` of the stacked form of the rotation (adaptiveload's own Wan model,
+    ``adaptiveload.models.rope.apply_rope``), the final node last::
+
+        x1, x2 = split.to(compute).unflatten(-1, (-1, 2)).unbind(-1)    # the cast optional
+        out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).to(dtype)
+
+    (the last cast optional); None where the users of ``split`` are anything else."""
+    src = _single_user(split, _cast) or split
+    pair = _single_user(src, _is_pair_split)
+    found = _halves(pair) if pair is not None else None
+    if found is None:
+        return None
+    unbind, x1, x2 = found
+    # the stack: behind a product of x1, behind the difference or sum that product feeds
+    combo = _single_user(next(iter(x1.users)), lambda u: True) if x1.users else None
+    stack = _single_user(combo, lambda u: u.op == "call_function" and u.target is torch.stack) if combo else None
+    if stack is None or not isinstance(stack.args[0], (list, tuple)) or len(stack.args[0]) != 2:
+        return None
+    dim = stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
+    if dim != -1 or set(stack.kwargs) - {"dim"}:
+        return None
+    rotated = _rotated(x1, x2, *stack.args[0])
+    flat = _single_user(stack, lambda u: _method_or_function(u, "flatten", torch.flatten)
+                        and tuple(u.args[1:]) in ((-2,), (-2, -1)) and not u.kwargs)
+    if rotated is None or flat is None:
+        return None
+    cos, sin, math = rotated
+    final = _single_user(flat, _cast) or flat
+    nodes = [split, *([src] if src is not split else []), pair, unbind, x1, x2, *math, stack, flat]
+    return cos, sin, nodes + ([final] if final is not flat else [])
+
+
+def _rotation(split: Node) -> Optional[tuple[Node, Node, list[Node], str]]:
+    """``(cos, sin, nodes, variant)`` of either written form of the rotation on ``split``, the nodes
+    in graph order with the final one last; None for anything else."""
+    for variant, find in ((VARIANT, _rotation_setitem), (VARIANT_STACK, _rotation_stack)):
+        found = find(split)
+        if found is not None:
+            cos, sin, nodes = found
+            order = {n: i for i, n in enumerate(split.graph.nodes)}
+            return cos, sin, sorted(nodes, key=order.__getitem__), variant
+    return None
 
 
 def match(gm: GraphModule, node: Node) -> Optional[Match]:
@@ -171,8 +246,8 @@ def match(gm: GraphModule, node: Node) -> Optional[Match]:
     found = _rotation(splits[0]) if len(splits) == 1 else None
     if found is None:
         return None
-    cos, sin, nodes = found
-    candidate = RopeSite(site, _heads_split(splits[0]), cos, sin, nodes)
+    cos, sin, nodes, variant = found
+    candidate = RopeSite(site, _heads_split(splits[0]), cos, sin, nodes, variant=variant)
     inside = set(nodes)
     for n in (site.output, *nodes[:-1]):
         outside = [u for u in n.users if u not in inside]

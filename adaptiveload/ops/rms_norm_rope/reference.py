@@ -22,7 +22,7 @@ Backward (the rotation is orthogonal per pair, so its transpose rotates back):
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -56,10 +56,12 @@ def forward(x: Tensor, weight: Optional[Tensor], cos: Tensor, sin: Tensor, heads
     return output(y, out_dtype), rstd.squeeze(-1)
 
 
-def backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], cos: Tensor, sin: Tensor,
-             rstd: Tensor) -> tuple[Tensor, Optional[Tensor], Tensor, Tensor]:
+def backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], cos: Tensor, sin: Tensor, rstd: Tensor,
+             output_mask: Sequence[bool] = (True,) * 4) -> tuple[Tensor, Optional[Tensor], Optional[Tensor],
+                                                                  Optional[Tensor]]:
     """``(dx, dweight, dcos, dsin)`` from dy [*x.shape[:-1], H, Dh]: each in its input's shape and
-    dtype (dweight None without a weight)."""
+    dtype; None for dweight without a weight and for any gradient ``output_mask`` (four flags) leaves
+    out, except dx, which is always computed."""
     heads = dy.shape[-2]
     cd = compute_dtype(dy, x, weight, cos, sin, rstd)
     xf, r = x.to(cd), rstd.to(cd).unsqueeze(-1)
@@ -67,13 +69,14 @@ def backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], cos: Tensor, sin: 
     dy1, dy2 = _pairs(dy.to(cd), x.shape[:-1], heads)
     c, s = cos.to(cd), sin.to(cd)
     n1, n2 = _pairs(x_hat if weight is None else x_hat * weight.to(cd), x.shape[:-1], heads)
-    dcos = output((dy1 * n1 + dy2 * n2).sum_to_size(cos.shape), cos.dtype)
-    dsin = output((dy2 * n1 - dy1 * n2).sum_to_size(sin.shape), sin.dtype)
+    dcos = output((dy1 * n1 + dy2 * n2).sum_to_size(cos.shape), cos.dtype) if output_mask[2] else None
+    dsin = output((dy2 * n1 - dy1 * n2).sum_to_size(sin.shape), sin.dtype) if output_mask[3] else None
     dn = _unpair(dy1 * c + dy2 * s, dy2 * c - dy1 * s).flatten(-2)  # [..., H * Dh]
     dweight = None
     g = dn
     if weight is not None:
-        dweight = output((dn * x_hat).reshape(-1, x.shape[-1]).sum(0), weight.dtype)
+        if output_mask[1]:
+            dweight = output((dn * x_hat).reshape(-1, x.shape[-1]).sum(0), weight.dtype)
         g = dn * weight.to(cd)
     dx = r * (g - x_hat * (g * x_hat).mean(dim=-1, keepdim=True))
     return output(dx, x.dtype), dweight, dcos, dsin
