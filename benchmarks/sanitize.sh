@@ -7,7 +7,8 @@
 # every other case, residual_rms_norm_modulate on x + y, scale-only in every third case, else a plain
 # norm; dr given), and the segmented variants of all four (the case's rows as one pack of 5 segments,
 # ids unsorted int32 in every other case: the column kernel for unsorted ids),
-# or only the ops named in SANITIZE_OPS ("adaln rms residual segmented", the default). PyTorch's caching allocator is off so that every tensor is its own allocation and an
+# and the q/k RMSNorm -> RoPE op (rms_norm_rope, the cases of even D, heads of 128 where D allows),
+# or only the ops named in SANITIZE_OPS ("adaln rms residual segmented rope", the default). PyTorch's caching allocator is off so that every tensor is its own allocation and an
 # out-of-bounds access cannot land inside a neighbour.
 # Usage: [SANITIZE_OPS=rms] benchmarks/sanitize.sh [LOGDIR]   (exit status non-zero when a tool reports an error)
 set -uo pipefail
@@ -29,7 +30,8 @@ rms, rms_bwd = torch.ops.adaptiveload.rms_norm_modulate, torch.ops.adaptiveload.
 res, res_bwd = torch.ops.adaptiveload.residual_adaln_modulate, torch.ops.adaptiveload.residual_adaln_modulate_backward
 res_rms = torch.ops.adaptiveload.residual_rms_norm_modulate
 res_rms_bwd = torch.ops.adaptiveload.residual_rms_norm_modulate_backward
-ops = os.environ.get("SANITIZE_OPS", "adaln rms residual segmented").split()
+rope, rope_bwd = torch.ops.adaptiveload.rms_norm_rope, torch.ops.adaptiveload.rms_norm_rope_backward
+ops = os.environ.get("SANITIZE_OPS", "adaln rms residual segmented rope").split()
 seg_ops = [getattr(torch.ops.adaptiveload, f"{name}_segmented") for name in
            ("adaln_modulate", "rms_norm_modulate", "residual_adaln_modulate", "residual_rms_norm_modulate")]
 seg_bwd = [getattr(torch.ops.adaptiveload, f"{name}_segmented_backward") for name in
@@ -103,6 +105,12 @@ for i, (B, N, D, xdt, mdt, layout, affine) in enumerate(cases):
             grads = seg_bwd[2](torch.randn_like(out), torch.randn_like(r), r, ys, mg, w, b, ms, mh, ids, mean, rstd, xdt)
             r, out, rstd = seg_ops[3](xs, ys, mg, w, ms, h, ids, 1e-6, xdt, xdt)
             grads = seg_bwd[3](torch.randn_like(out), None, r, ys, mg, w, ms, h, ids, rstd, xdt)
+        if "rope" in ops and D % 2 == 0:  # q/k RMSNorm -> RoPE: heads of 128 where D allows, else of 2;
+            # y in the modulation's dtype (fp32 x with a bf16 y: the element path); tables [N, 1, Dh / 2]
+            heads = D // 128 if D % 128 == 0 else D // 2
+            cos, sin = torch.randn(2, N, 1, D // heads // 2, device="cuda", generator=g).unbind(0)
+            y, rstd = rope(x, w, cos, sin, heads, 1e-6, mdt)
+            grads = rope_bwd(torch.randn_like(y), x, w, cos, sin, rstd, [True, True, False, False])
         torch.cuda.synchronize()
     print("ok", ops, B, N, D, xdt, mdt, layout, affine, settings, flush=True)
 PY

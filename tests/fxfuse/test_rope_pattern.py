@@ -164,14 +164,14 @@ def test_what_is_not_a_site_is_left_as_written(kwargs, fused, reason):
 
 
 def test_a_device_type_outside_fused_devices_defers_the_site(monkeypatch):
-    """The device switch: where the op has no validated kernel the site is left as written, recorded
+    """The device switch: on a device type outside FUSED_DEVICES the site is left as written, recorded
     as deferred with the reason (here the CPU taken out of the set)."""
     monkeypatch.setattr(rope_pattern, "FUSED_DEVICES", frozenset())
     torch.manual_seed(0)
     _, _, reports, calls = _compiled_run(Attention(), _inputs())
     (report,) = reports
     assert not calls
-    assert [c.reason for c in report.deferred] == ["no validated CPU kernel for rms_norm_rope yet (FUSED_DEVICES)"] * 2
+    assert [c.reason for c in report.deferred] == ["rms_norm_rope does not fold CPU sites (not in FUSED_DEVICES)"] * 2
 
 
 def test_a_new_sequence_length_reuses_the_fold():

@@ -229,7 +229,7 @@ def check_kernels(rows, heads, head_dim, dtype, layout, affine, seed, out_dtype=
                     sin.double().repeat_interleave(2, -1), heads)
     ref_grads = torch.autograd.grad(ref, ref_leaves, dy.double())
     tol = TOL[dtype]
-    assert_rel(y, ref, tol, "y")
+    assert_rel(y, ref, max(tol, TOL[out_dtype]), "y")  # (rounded once to out_dtype)
     assert_rel(rstd, (ref_leaves[0].detach().square().mean(-1) + EPS).rsqrt(), tol, "rstd")
     for name, g, r, leaf in zip(("dx", "dweight"), grads, ref_grads, leaves):
         assert g.shape == leaf.shape and g.dtype == leaf.dtype, f"{name}: {g.shape}/{g.dtype}"

@@ -27,10 +27,13 @@ from adaptiveload.ops.rms_norm_rope import reference
 _OP = "rms_norm_rope"
 
 #: Device types on which the FX pattern folds a q/k RMSNorm -> RoPE site into the op; on any other it
-#: leaves the site as written (and records why): CPU (the reference) and CUDA (the kernels; Inductor's
-#: own kernels for the chain run at 16-29% of speed-of-light forward + backward on an H200,
-#: benchmarks/results/qk_norm_h200.md).
-FUSED_DEVICES: frozenset[str] = frozenset({"cpu", "cuda"})
+#: leaves the site as written (and records why). CPU: the reference, which fusing costs nothing. Not
+#: CUDA yet: the op's kernels are correct (their tests and compute-sanitizer pass) but not faster than
+#: Inductor's generated kernel for the chain at every Wan width (on an H200 forward + backward 1.02 ms
+#: against 0.87 at 1 x 32,760 x 1,536, 2.66 against 2.47 at x 5,120; a per-block Wan-1.3B step with the
+#: sites folded 0.992x Inductor's time, paired): benchmarks/KERNEL_NOTES.md, "A fused q/k RMSNorm +
+#: RoPE op". On CUDA the op serves direct calls.
+FUSED_DEVICES: frozenset[str] = frozenset({"cpu"})
 
 
 def _rope_shape(op: str, x: Tensor, heads: int) -> list:

@@ -279,7 +279,7 @@ def check(candidate: RopeSite, cache: Optional[dict] = None) -> Verdict:
         return verdict
     device = device_of(x)
     if device.type not in FUSED_DEVICES:
-        verdict.reason = f"no validated {device.type.upper()} kernel for rms_norm_rope yet (FUSED_DEVICES)"
+        verdict.reason = f"rms_norm_rope does not fold {device.type.upper()} sites (not in FUSED_DEVICES)"
         return verdict
     shape = site.normalized_shape
     dims = static_dims(shape) if isinstance(shape, (list, tuple, torch.Size)) else None
