@@ -204,7 +204,8 @@ class WanDiT(nn.Module):
     @property
     def num_norm_sites(self) -> int:
         """LayerNorms per forward, the norm sites the backend can fuse: norm1, norm2 and norm3 of
-        each block, plus the head (norm2 only together with the residual add in front of it)."""
+        each block, plus the head (norm2 only together with the residual add in front of it). The
+        self-attention's q/k RMSNorm -> RoPE sites (2 a block, ``rms_norm_rope``) are not counted."""
         return 3 * self.config.num_layers + 1
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
