@@ -177,9 +177,6 @@ def _rotation_setitem(split: Node) -> Optional[tuple[Node, Node, list[Node]]]:
     if rotated is None:
         return None
     cos, sin, math = rotated
-    order = {n: i for i, n in enumerate(split.graph.nodes)}
-    if not all(order[store] < order[final] for store in stores):
-        return None
     return cos, sin, [split, pair, unbind, x1, x2, *math, empty, *stores, final]
 
 
@@ -226,13 +223,15 @@ def _rotation_stack(split: Node) -> Optional[tuple[Node, Node, list[Node]]]:
 
 def _rotation(split: Node) -> Optional[tuple[Node, Node, list[Node], str]]:
     """``(cos, sin, nodes, variant)`` of either written form of the rotation on ``split``, the nodes
-    in graph order with the final one last; None for anything else."""
+    in graph order with the final one last; None for anything else, and where the final node (each
+    form's last) is not last in graph order (a setitem after the read of the rotated tensor)."""
     for variant, find in ((VARIANT, _rotation_setitem), (VARIANT_STACK, _rotation_stack)):
         found = find(split)
         if found is not None:
             cos, sin, nodes = found
             order = {n: i for i, n in enumerate(split.graph.nodes)}
-            return cos, sin, sorted(nodes, key=order.__getitem__), variant
+            ordered = sorted(nodes, key=order.__getitem__)
+            return (cos, sin, ordered, variant) if ordered[-1] is nodes[-1] else None
     return None
 
 

@@ -68,9 +68,13 @@ def backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], cos: Tensor, sin: 
     x_hat = xf * r
     dy1, dy2 = _pairs(dy.to(cd), x.shape[:-1], heads)
     c, s = cos.to(cd), sin.to(cd)
-    n1, n2 = _pairs(x_hat if weight is None else x_hat * weight.to(cd), x.shape[:-1], heads)
-    dcos = output((dy1 * n1 + dy2 * n2).sum_to_size(cos.shape), cos.dtype) if output_mask[2] else None
-    dsin = output((dy2 * n1 - dy1 * n2).sum_to_size(sin.shape), sin.dtype) if output_mask[3] else None
+    dcos = dsin = None
+    if output_mask[2] or output_mask[3]:  # (the normalised pairs serve only these two)
+        n1, n2 = _pairs(x_hat if weight is None else x_hat * weight.to(cd), x.shape[:-1], heads)
+        if output_mask[2]:
+            dcos = output((dy1 * n1 + dy2 * n2).sum_to_size(cos.shape), cos.dtype)
+        if output_mask[3]:
+            dsin = output((dy2 * n1 - dy1 * n2).sum_to_size(sin.shape), sin.dtype)
     dn = _unpair(dy1 * c + dy2 * s, dy2 * c - dy1 * s).flatten(-2)  # [..., H * Dh]
     dweight = None
     g = dn
