@@ -56,6 +56,9 @@
 #              scheduler, instruction and source-counter (stall sampling) sections of the forward,
 #              one-pass backward and reduce kernels at N = 65536, bf16, D = 1536 / 3072 / 5120,
 #              per-sample fp32 modulation (clocks left alone) -> $OUT/ncu.txt
+#   ncu-rope   Nsight Compute (speed-of-light, occupancy, launch, warp-state, memory) of the rms_norm_rope kernels, one
+#              forward and backward of q at Wan's 12 x 1,560 x 1,536 and 1 x 32,760 x 5,120, bf16, diffusers' stride-2
+#              fp32 tables -> $OUT/ncu_rope.txt
 #   ncu-seg    Nsight Compute (the same sections) of the segmented layout beside the per-sample one: every
 #              kernel of adaln_modulate and residual_adaln_modulate (Wan gated site) forward and backward,
 #              bf16, T = 65536, D = 1536 / 3072, per-sample, then 1 and 42 segments (equal lengths, ids in
@@ -234,6 +237,27 @@ PY
     "${NCU_SECTIONS[@]}" \
     python3 /tmp/ncu_seg_cases.py >"$OUT/ncu_seg.txt" 2>&1
   echo "ncu-seg: exit $?"; grep -E "_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per" "$OUT/ncu_seg.txt" | head -150
+fi
+if want ncu-rope; then
+  cat >/tmp/ncu_rope_cases.py <<'PY'
+import torch
+import adaptiveload  # noqa: F401
+ops = torch.ops.adaptiveload
+for B, S, H in ((12, 1560, 12), (1, 32760, 40)):
+    D = H * 128
+    x = torch.randn(B, S, D, device="cuda", dtype=torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(D, device="cuda")
+    f = torch.rand(1, S, 1, 128, device="cuda") * 6.28
+    cos, sin = f.cos()[..., 0::2], f.sin()[..., 1::2]
+    y, rstd = ops.rms_norm_rope(x, w, cos, sin, H, 1e-6, torch.bfloat16)
+    dy = torch.randn_like(y)
+    ops.rms_norm_rope_backward(dy, x, w, cos, sin, rstd, [True, True, False, False])
+torch.cuda.synchronize()
+PY
+  ADAPTIVELOAD_REQUIRE_KERNEL=1 timeout 150 ncu --clock-control none -k "regex:rope_" --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    python3 /tmp/ncu_rope_cases.py >"$OUT/ncu_rope.txt" 2>&1
+  echo "ncu-rope: exit $?"; grep -E "rope_|Duration|DRAM Throughput|Achieved Occupancy|Registers Per" "$OUT/ncu_rope.txt" | head -60
 fi
 if want tests0; then  # the fixed-shape tests again, on GPU 0, with TESTS0_ENV (e.g. CUDA_LAUNCH_BLOCKING=1)
   env ${TESTS0_ENV:-} timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/ops -m cuda -q -p no:cacheprovider \

@@ -8,9 +8,9 @@
 // broadcast: diffusers' Wan tables are [1, S, 1, Dh / 2] views with stride 2 along i). Backward, the
 // rotation transposed: dn[2i] = dy[2i] * cos + dy[2i + 1] * sin, dn[2i + 1] = dy[2i + 1] * cos - dy[2i] * sin;
 // g = dn * w; dx = rstd * (g - x_hat * mean_D(g * x_hat)); dweight = sum over rows of dn * x_hat,
-// summed deterministically (each block's rows into its own partial row, then the partials in block
-// order by launch_reduce_totals). Statistics and arithmetic in fp32; x, y, dy and dx each in its own
-// dtype. (reference: adaptiveload/ops/rms_norm_rope/reference.py)
+// summed deterministically (each thread-row of the backward's grid into its own partial row, then the
+// partials in a fixed order by a second kernel). Statistics and arithmetic in fp32; x, y, dy and dx
+// each in its own dtype. (reference: adaptiveload/ops/rms_norm_rope/reference.py)
 // This header holds no torch types.
 #pragma once
 
@@ -45,8 +45,9 @@ struct RopeArgs {
   void* dx = nullptr;
   DType dxt = DType::F32;
   float* dweight = nullptr;  // fp32 [D] or null (no weight, or its gradient not wanted)
-  float* totals = nullptr;   // the thread-rows' dweight partials, [partials, 2, D] (launch_reduce_totals' layout)
-  int blocks = 0;            // backward grid (rope_backward_blocks)
+  float* totals = nullptr;   // the thread-rows' dweight partials, [partials, D] (where partials > 1)
+  int blocks = 0;            // backward grid (rope_backward_plan)
+  int partials = 0;          // dweight partials of that grid: one a thread-row (rope_backward_plan)
 };
 
 // A launch's shape: threads a row (a multiple of 32), rows a block, groups of VEC a thread.
@@ -58,10 +59,9 @@ struct RopeShape {
 inline int rope_vec(DType xt) { return xt == DType::F32 ? 4 : 8; }
 // Forward: each block its rows. Launch on `stream`.
 void launch_rope_forward(const RopeArgs& a, cudaStream_t stream);
-// The backward's grid: resident blocks (a full wave), no more than the rows need.
-int rope_backward_blocks(const RopeArgs& a);
-// The dweight partials of a backward of a.blocks blocks (one a thread-row), which size a.totals.
-int rope_backward_partials(const RopeArgs& a);
+// The backward's grid (a.blocks: resident blocks, a full wave, no more than the rows need) and its
+// dweight partials (a.partials, one a thread-row: a.totals holds [a.partials, D] floats where more than one).
+void rope_backward_plan(RopeArgs& a);
 // Backward: a.blocks blocks over the rows; then the dweight partials summed in a fixed order.
 void launch_rope_backward(const RopeArgs& a, cudaStream_t stream);
 

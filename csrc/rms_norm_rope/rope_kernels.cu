@@ -3,10 +3,12 @@
 // threads, ...), kept in registers across the row's reduction; VEC is even, so a group holds whole
 // (even, odd) pairs of one head. Few threads a row, many groups each, and several rows a block keep
 // more bytes in flight a SM than a block of one row (a row of D = 1,536 bf16 is one warp's, 6 groups a
-// lane). Forward: each block its blockDim.y rows. Backward: a full wave of blocks going over the rows
-// blockDim.y at a time, each thread-row's dweight partial in registers (so the backward takes fewer
-// groups a thread: one of 16-bit x, C * VEC = 8, where the row allows; at most 64 registers, two blocks
-// of kRopeThreads a SM).
+// lane). The rotation tables and the weight are read through the read-only path, issued with x's
+// loads, not after the row's reduction (a round trip to L2 a group after it held the v2 kernels to a
+// third of speed-of-light). Forward: each block its blockDim.y rows. Backward: a full wave of blocks
+// going over the rows blockDim.y at a time, the next row's x and dy loaded while the current one is
+// reduced and stored, each thread-row's dweight partial in registers (so the backward takes fewer
+// groups a thread: one of 16-bit x, C * VEC = 8, where the row allows).
 #include "rms_norm_rope/rope.cuh"
 
 namespace adaln {
@@ -34,38 +36,80 @@ __device__ __forceinline__ float row_sum(float v, float* red, int& parity) {
   return v;
 }
 
-// The cos and sin of the VEC / 2 pairs of the group at column col (even) of row (b, n): the head and
-// pair index found once for the group, then stepped (a group may cross into the next head).
-template <int VEC>
-struct RopeAngles {
-  float c[VEC / 2], s[VEC / 2];
-  __device__ __forceinline__ RopeAngles(const RopeArgs& a, int64_t b, int64_t n, int col) {
+// Row `row` of x viewed as [B, N, D] as (b, n): 32-bit division where the rows allow (B * N < 2^31).
+__device__ __forceinline__ void row_bn(const RopeArgs& a, int64_t row, int64_t& b, int64_t& n) {
+  if (a.B == 1) {
+    b = 0, n = row;
+  } else if (a.B * a.N <= INT32_MAX) {
+    const unsigned r = static_cast<unsigned>(row), N = static_cast<unsigned>(a.N);
+    const unsigned q = r / N;
+    b = q, n = r - q * N;
+  } else {
+    b = row / a.N, n = row - b * a.N;
+  }
+}
+
+// The cos and sin of the pairs of a thread's groups in one row: kSets sets of VEC / 2 pairs, set k
+// for the group at column (k * threads + tid) * VEC. With kShared, one set serves every group: the
+// tables are broadcast over the heads (sh = 0) and the groups of a thread lie whole heads apart
+// (threads * VEC a multiple of Dh, D a multiple of VEC), so each group has the same pair indices.
+// Read through the read-only path (__ldg), which lets the compiler issue them early: before the row's
+// reduction and ahead of earlier groups' stores.
+template <int VEC, int kSets>
+struct RowAngles {
+  float c[kSets][VEC / 2], s[kSets][VEC / 2];
+  __device__ __forceinline__ RowAngles(const RopeArgs& a, int64_t b, int64_t n, int threads, int tid) {
     const float* cr = a.cos.p + b * a.cos.sb + n * a.cos.sn;
     const float* sr = a.sin.p + b * a.sin.sb + n * a.sin.sn;
-    int h = col / a.Dh, i = (col - h * a.Dh) >> 1;
     const int pairs = a.Dh >> 1;
 #pragma unroll
-    for (int k = 0; k < VEC / 2; ++k) {
-      if (i == pairs) i = 0, ++h;
-      // (past D, where the unaligned path's last group ends: never read)
-      const bool in = col + 2 * k < a.D;
-      c[k] = in ? cr[h * a.cos.sh + i * a.cos.si] : 0.f;
-      s[k] = in ? sr[h * a.sin.sh + i * a.sin.si] : 0.f;
-      ++i;
+    for (int k = 0; k < kSets; ++k) {
+      const int col = (k * threads + tid) * VEC;
+      int h = col / a.Dh, i = (col - h * a.Dh) >> 1;  // the group's head and first pair (a group may cross a head)
+#pragma unroll
+      for (int q = 0; q < VEC / 2; ++q) {
+        if (i == pairs) i = 0, ++h;
+        // (0 past D, where the unaligned path's last group ends, so that y and g are 0 there)
+        const bool in = col + 2 * q < a.D;
+        c[k][q] = in ? __ldg(cr + h * a.cos.sh + i * a.cos.si) : 0.f;
+        s[k][q] = in ? __ldg(sr + h * a.sin.sh + i * a.sin.si) : 0.f;
+        ++i;
+      }
     }
   }
 };
 
-template <typename Tx, int VEC, int C>
-__global__ void __launch_bounds__(kRopeThreads) rope_forward_kernel(RopeArgs a) {
+// The weight's VEC values from column col (1 where there is none). (Through the ordinary path: it stays
+// in L1, and read-only loads let the compiler hoist every group's weights ahead, past 64 registers.)
+template <int VEC>
+__device__ __forceinline__ void weight_at(const RopeArgs& a, int col, float (&w)[VEC]) {
+  if (a.weight && col < a.D) {
+    load_f<float, VEC>(a.weight, col, a.D, a.aligned, w);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) w[j] = 1.f;
+  }
+}
+
+// 16-bit x: at most 256 threads a block (rope_shape: 2,048 groups of 8 at kMaxFeatures over 8 a thread)
+// and 85 registers, three blocks a SM (64 spill the 8-group instance); fp32: 512 threads, 64 registers.
+template <typename Tx>
+constexpr int rope_fwd_threads() { return sizeof(Tx) == 4 ? kRopeThreads : 256; }
+template <typename Tx>
+constexpr int rope_fwd_blocks() { return sizeof(Tx) == 4 ? 2 : 3; }
+
+template <typename Tx, int VEC, int C, bool kShared>
+__global__ void __launch_bounds__(rope_fwd_threads<Tx>(), rope_fwd_blocks<Tx>()) rope_forward_kernel(RopeArgs a) {
   __shared__ float red[2 * kRopeRows * 32];
   const int tid = threadIdx.x, threads = blockDim.x, D = a.D;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool valid = row < a.B * a.N;  // (a row past the end still takes part in the block's reduction)
-  const int64_t b = row / a.N, n = row - b * a.N;
+  const int64_t r0 = valid ? row : 0;
+  int64_t b, n;
+  row_bn(a, r0, b, n);
   Raw<Tx, VEC> xr[C];
-  load_chunks<Tx, VEC, C>(static_cast<const Tx*>(a.x) + (valid ? row : 0) * D, valid ? D : 0, threads, tid,
-                          a.aligned, xr);
+  load_chunks<Tx, VEC, C>(static_cast<const Tx*>(a.x) + r0 * D, valid ? D : 0, threads, tid, a.aligned, xr);
+  const RowAngles<VEC, kShared ? 1 : C> r(a, b, n, threads, tid);
   float ss = 0.f;
 #pragma unroll
   for (int c = 0; c < C; ++c)
@@ -85,16 +129,11 @@ __global__ void __launch_bounds__(kRopeThreads) rope_forward_kernel(RopeArgs a) 
     const int col = (c * threads + tid) * VEC;
     if (col >= D) continue;
     float w[VEC], out[VEC];
-    if (a.weight) {
-      load_f<float, VEC>(a.weight, col, D, a.aligned, w);
-    } else {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) w[j] = 1.f;
-    }
-    const RopeAngles<VEC> r(a, b, n, col);
+    weight_at<VEC>(a, col, w);
+    const int k = kShared ? 0 : c;
 #pragma unroll
     for (int j = 0; j < VEC; j += 2) {
-      const float cs = r.c[j / 2], sn = r.s[j / 2];
+      const float cs = r.c[k][j / 2], sn = r.s[k][j / 2];
       const float n1 = to_f<Tx>(xr[c].v[j]) * rstd * w[j], n2 = to_f<Tx>(xr[c].v[j + 1]) * rstd * w[j + 1];
       out[j] = n1 * cs - n2 * sn;  // (zeros past D: the tables read 0 there)
       out[j + 1] = n1 * sn + n2 * cs;
@@ -103,10 +142,29 @@ __global__ void __launch_bounds__(kRopeThreads) rope_forward_kernel(RopeArgs a) 
   }
 }
 
-// DyRows: TypedRows<Tx> where dy has x's dtype (half the registers of AnyRows for 16-bit dy), else
-// AnyRows. dn (and g = dn * w) is formed twice, before and after the row's reduction, from the raw x
-// and dy kept in registers, instead of keeping it: fewer registers, more blocks a SM.
+// One row's inputs to the backward as a thread holds them: its groups of x and dy, raw, and rstd.
 template <typename Tx, typename DyRows, int VEC, int C>
+struct RopeRowIn {
+  Raw<Tx, VEC> x[C];
+  typename DyRows::template RawT<VEC> dy[C];
+  float rstd;
+  // row's (zeros and rstd 0 past the last row: no memory read)
+  __device__ __forceinline__ void load(const RopeArgs& a, int64_t row, int threads, int tid) {
+    const bool valid = row < a.B * a.N;
+    const int64_t r0 = valid ? row : 0;
+    const int Dv = valid ? a.D : 0;
+    rstd = valid ? __ldg(a.rstd + row) : 0.f;
+    load_chunks<Tx, VEC, C>(static_cast<const Tx*>(a.x) + r0 * a.D, Dv, threads, tid, a.aligned, x);
+    DyRows::template load<VEC, C>(DyRows::at(a.dy, a.dyt, r0 * a.D), a.dyt, Dv, threads, tid, a.aligned, dy);
+  }
+};
+
+// DyRows: TypedRows<Tx> where dy has x's dtype (half the registers of AnyRows for 16-bit dy), else
+// AnyRows. A full wave of blocks goes over the rows, each thread-row loading its next row's x and dy
+// while it reduces and stores the current one (so a SM keeps a row's bytes in flight a thread-row all
+// along). dn (and g = dn * w) is formed twice, before and after the row's reduction, from the raw x and
+// dy kept in registers, instead of keeping it: fewer registers.
+template <typename Tx, typename DyRows, int VEC, int C, bool kShared>
 __global__ void __launch_bounds__(kRopeThreads, 2) rope_backward_kernel(RopeArgs a) {
   __shared__ float red[2 * kRopeRows * 32];
   const int tid = threadIdx.x, threads = blockDim.x, D = a.D;
@@ -117,31 +175,30 @@ __global__ void __launch_bounds__(kRopeThreads, 2) rope_backward_kernel(RopeArgs
 #pragma unroll
     for (int j = 0; j < VEC; ++j) dw[c][j] = 0.f;
   int parity = 0;
+  RopeRowIn<Tx, DyRows, VEC, C> cur;
+  cur.load(a, static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y, threads, tid);
   // (the same trip count for every thread of the block: the rows past the end take part in row_sum)
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows; base += step) {
     const int64_t row = base + threadIdx.y;
     const bool valid = row < rows;
-    const int64_t r0 = valid ? row : 0, b = r0 / a.N, n = r0 - b * a.N;
-    const int Dv = valid ? D : 0;  // (loads of an invalid row: zeros)
-    const float rstd = valid ? a.rstd[row] : 0.f;
-    Raw<Tx, VEC> xr[C];
-    load_chunks<Tx, VEC, C>(static_cast<const Tx*>(a.x) + r0 * D, Dv, threads, tid, a.aligned, xr);
-    typename DyRows::template RawT<VEC> dyr[C];
-    DyRows::template load<VEC, C>(DyRows::at(a.dy, a.dyt, r0 * D), a.dyt, Dv, threads, tid, a.aligned, dyr);
-    // g = dn * w and x_hat of the pairs of chunk c (zeros past D); with `sum`, dn * x_hat added to dw
+    RopeRowIn<Tx, DyRows, VEC, C> next;
+    next.load(a, row + step, threads, tid);
+    int64_t b, n;
+    row_bn(a, valid ? row : 0, b, n);
+    const RowAngles<VEC, kShared ? 1 : C> r(a, b, n, threads, tid);
+    const float rstd = cur.rstd;
+    // g = dn * w and x_hat of the pairs of group c (zeros past D); with `sum`, dn * x_hat added to dw
     auto grads = [&](int c, float (&g)[VEC], float (&h)[VEC], bool sum) {
       const int col = (c * threads + tid) * VEC;
+      const int k = kShared ? 0 : c;
       float d[VEC], w[VEC];
-      DyRows::template to_f<VEC>(dyr[c], a.dyt, d);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) w[j] = 1.f;
-      if (a.weight && col < D) load_f<float, VEC>(a.weight, col, D, a.aligned, w);
-      const RopeAngles<VEC> r(a, b, n, col);
+      DyRows::template to_f<VEC>(cur.dy[c], a.dyt, d);
+      weight_at<VEC>(a, col, w);
 #pragma unroll
       for (int j = 0; j < VEC; j += 2) {
-        const float cs = r.c[j / 2], sn = r.s[j / 2];  // (0 past D, so g = 0 there)
+        const float cs = r.c[k][j / 2], sn = r.s[k][j / 2];  // (0 past D, so g = 0 there)
         const float dn1 = d[j] * cs + d[j + 1] * sn, dn2 = d[j + 1] * cs - d[j] * sn;
-        h[j] = to_f<Tx>(xr[c].v[j]) * rstd, h[j + 1] = to_f<Tx>(xr[c].v[j + 1]) * rstd;
+        h[j] = to_f<Tx>(cur.x[c].v[j]) * rstd, h[j + 1] = to_f<Tx>(cur.x[c].v[j + 1]) * rstd;
         if (sum) dw[c][j] += dn1 * h[j], dw[c][j + 1] += dn2 * h[j + 1];
         g[j] = dn1 * w[j], g[j + 1] = dn2 * w[j + 1];
       }
@@ -155,29 +212,55 @@ __global__ void __launch_bounds__(kRopeThreads, 2) rope_backward_kernel(RopeArgs
       for (int j = 0; j < VEC; ++j) dot += g[j] * h[j];
     }
     const float m = row_sum(dot, red, parity) / D;
-    if (!valid) continue;
-    void* dxrow = elem_ptr(a.dx, a.dxt, row * D);
+    if (valid) {
+      void* dxrow = elem_ptr(a.dx, a.dxt, row * D);
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int col = (c * threads + tid) * VEC;
-      if (col >= D) continue;
-      float g[VEC], h[VEC];
-      grads(c, g, h, false);
+      for (int c = 0; c < C; ++c) {
+        const int col = (c * threads + tid) * VEC;
+        if (col >= D) continue;
+        float g[VEC], h[VEC];
+        grads(c, g, h, false);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) g[j] = rstd * (g[j] - h[j] * m);
-      store_any<VEC>(dxrow, a.dxt, col, D, a.aligned, g);
+        for (int j = 0; j < VEC; ++j) g[j] = rstd * (g[j] - h[j] * m);
+        store_any<VEC>(dxrow, a.dxt, col, D, a.aligned, g);
+      }
     }
+    cur = next;
   }
   if (!a.dweight) return;
-  // this thread-row's partial (or, for a single one, the total) of dweight: plane 0 of its [2, D] slot
+  // this thread-row's partial of dweight (row `part` of a.partials; with a single one, the total)
   const int64_t part = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  float* dst = gridDim.x * blockDim.y == 1 ? a.dweight : a.totals + 2 * part * D;
+  float* dst = a.partials == 1 ? a.dweight : a.totals + part * D;
 #pragma unroll
   for (int c = 0; c < C; ++c) {
     const int col = (c * threads + tid) * VEC;
 #pragma unroll
     for (int j = 0; j < VEC; ++j)
       if (col + j < D) dst[col + j] = dw[c][j];
+  }
+}
+
+// dweight[d] = the sum of the backward's partials[p, d] over p in a fixed order: thread (x, y) of a block
+// of 32 columns sums p = y, y + kReduceLanes, ... and the kReduceLanes sums are added in y order. No
+// atomics: the same bits every run. (Several hundred partials, one a resident thread-row, are more
+// than launch_reduce_totals' one thread a column reads quickly: 15 us at D = 1,536 on an H200.)
+constexpr int kReduceLanes = 32;
+__global__ void __launch_bounds__(32 * kReduceLanes) rope_dweight_kernel(const float* __restrict__ partials, int P,
+                                                                         int D, float* __restrict__ dweight) {
+  __shared__ float sums[kReduceLanes][33];
+  const int d = blockIdx.x * 32 + threadIdx.x;
+  float s = 0.f;
+  if (d < D) {
+#pragma unroll 4
+    for (int p = threadIdx.y; p < P; p += kReduceLanes) s += partials[static_cast<int64_t>(p) * D + d];
+  }
+  sums[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && d < D) {
+    float t = 0.f;
+#pragma unroll
+    for (int k = 0; k < kReduceLanes; ++k) t += sums[k][threadIdx.x];
+    dweight[d] = t;
   }
 }
 
@@ -195,7 +278,12 @@ RopeShape rope_shape(int D, int vec, int max_groups) {
   return {threads, rows, chunks};
 }
 
-// f(kernel, shape) for the dtypes and the row's shape.
+// Whether one set of angles serves every group of a thread (RowAngles' kShared) for rows of shape rs.
+bool rope_shared_angles(const RopeArgs& a, int vec, const RopeShape& rs) {
+  return a.cos.sh == 0 && a.sin.sh == 0 && a.D % vec == 0 && (rs.threads * vec) % a.Dh == 0;
+}
+
+// f(kernel, shape) for the dtypes, the row's shape and the tables' layout.
 template <bool kBackward, typename F>
 void with_rope_kernel(const RopeArgs& a, const F& f) {
   const auto body = [&](auto tag) {
@@ -203,13 +291,19 @@ void with_rope_kernel(const RopeArgs& a, const F& f) {
     constexpr int VEC = 16 / sizeof(Tx);
     // the backward's dweight partial: C * VEC registers a thread
     const RopeShape rs = rope_shape(a.D, VEC, kBackward ? 8 / VEC : 8);
+    const bool shared = rope_shared_angles(a, VEC, rs);
     with_chunk_count<8>(rs.chunks, [&](auto chunk_count) {
       constexpr int C = decltype(chunk_count)::value;
-      if constexpr (!kBackward) f(rope_forward_kernel<Tx, VEC, C>, rs);
-      else if constexpr (C * VEC <= 32) {  // (8 but for the widest rows: rope_shape)
-        if (a.dyt == a.xt) f(rope_backward_kernel<Tx, TypedRows<Tx>, VEC, C>, rs);
-        else f(rope_backward_kernel<Tx, AnyRows, VEC, C>, rs);
-      }
+      const auto pick = [&](auto kShared) {
+        [[maybe_unused]] constexpr bool S = decltype(kShared)::value;
+        if constexpr (!kBackward) f(rope_forward_kernel<Tx, VEC, C, S>, rs);
+        else if constexpr (C * VEC <= 32) {  // (8 but for the widest rows: rope_shape)
+          if (a.dyt == a.xt) f(rope_backward_kernel<Tx, TypedRows<Tx>, VEC, C, S>, rs);
+          else f(rope_backward_kernel<Tx, AnyRows, VEC, C, S>, rs);
+        }
+      };
+      if (shared) pick(std::true_type{});
+      else pick(std::false_type{});
     });
   };
   switch (a.xt) {
@@ -228,29 +322,23 @@ void launch_rope_forward(const RopeArgs& a, cudaStream_t stream) {
   });
 }
 
-int rope_backward_blocks(const RopeArgs& a) {
-  int blocks = 1, rows = 1;
+void rope_backward_plan(RopeArgs& a) {
   with_rope_kernel<true>(a, [&](auto kernel, RopeShape rs) {
-    blocks = blocks_per_sm(reinterpret_cast<const void*>(kernel), rs.threads * rs.rows, 0) * device_props().sms;
-    rows = rs.rows;
+    const int64_t wave =
+        static_cast<int64_t>(blocks_per_sm(reinterpret_cast<const void*>(kernel), rs.threads * rs.rows, 0)) *
+        device_props().sms;
+    const int64_t needed = (a.B * a.N + rs.rows - 1) / rs.rows;
+    a.blocks = static_cast<int>(needed < wave ? needed : wave);
+    a.partials = a.blocks * rs.rows;
   });
-  const int64_t needed = (a.B * a.N + rows - 1) / rows;
-  return static_cast<int>(needed < blocks ? needed : blocks);
-}
-
-int rope_backward_partials(const RopeArgs& a) {
-  int rows = 1;
-  with_rope_kernel<true>(a, [&](auto, RopeShape rs) { rows = rs.rows; });
-  return a.blocks * rows;
 }
 
 void launch_rope_backward(const RopeArgs& a, cudaStream_t stream) {
-  int partials = a.blocks;
   with_rope_kernel<true>(a, [&](auto kernel, RopeShape rs) {
     kernel<<<a.blocks, dim3(rs.threads, rs.rows), 0, stream>>>(a);
-    partials *= rs.rows;
   });
-  launch_reduce_totals(a.totals, partials, a.D, a.dweight, nullptr, stream);
+  if (a.dweight && a.partials > 1)
+    rope_dweight_kernel<<<(a.D + 31) / 32, dim3(32, kReduceLanes), 0, stream>>>(a.totals, a.partials, a.D, a.dweight);
 }
 
 }  // namespace adaln

@@ -97,13 +97,12 @@ Tensors2 rms_norm_rope_backward(const Tensor& dy, const Tensor& x, const optiona
   a.aligned = a.aligned && aligned16(a.dy) && aligned16(a.dx) && (a.xt != DType::F32 || a.dyt == DType::F32);
   const auto f32 = x.options().dtype(at::kFloat);
   const Tensor dweight = weight.has_value() && weight_grad ? at::empty({a.D}, f32) : Tensor();
-  a.blocks = rope_backward_blocks(a);
-  const int partials = rope_backward_partials(a);
+  rope_backward_plan(a);
   Tensor totals;
   if (dweight.defined()) {
     a.dweight = dweight.data_ptr<float>();
-    if (partials > 1) {
-      totals = at::empty({static_cast<int64_t>(partials) * 2 * a.D}, f32);
+    if (a.partials > 1) {
+      totals = at::empty({static_cast<int64_t>(a.partials) * a.D}, f32);
       a.totals = totals.data_ptr<float>();
     }
   }

@@ -33,15 +33,18 @@ def wan_chain(x, weight, freqs_cos, freqs_sin, heads, eps=EPS):
     return out.type_as(n)
 
 
-def tables(rows, head_dim, layout, dtype, gen):
+def tables(rows, head_dim, layout, dtype, gen, heads=1):
     """freqs_cos, freqs_sin [.., head_dim] (diffusers' layout: each pair's angle at both of its
     positions) broadcasting over x's rows ``rows`` and the heads, in one of the layouts a model
-    passes: "positions" [1, S, 1, head_dim] (Wan), "rows" [*rows, 1, head_dim], "shared" [head_dim]."""
+    passes: "positions" [1, S, 1, head_dim] (Wan), "rows" [*rows, 1, head_dim], "shared" [head_dim],
+    or "heads" [1, S, heads, head_dim] (an angle of each head's own)."""
     half = head_dim // 2
     if layout == "positions":
         shape = (1, *rows[1:], 1, half)
     elif layout == "rows":
         shape = (*rows, 1, half)
+    elif layout == "heads":
+        shape = (1, *rows[1:], heads, half)
     else:
         shape = (half,)
     angles = (torch.rand(*shape, generator=gen, dtype=torch.float64) * 2 * math.pi).repeat_interleave(2, -1)
@@ -54,7 +57,7 @@ def inputs(rows, heads, head_dim, dtype, layout, affine, seed):
     D = heads * head_dim
     x = (2 * torch.randn(*rows, D, generator=gen, dtype=torch.float64) + 0.3).to(dtype)
     weight = (1 + 0.3 * torch.randn(D, generator=gen, dtype=torch.float64)).to(dtype) if affine else None
-    freqs_cos, freqs_sin = tables(rows, head_dim, layout, dtype, gen)
+    freqs_cos, freqs_sin = tables(rows, head_dim, layout, dtype, gen, heads)
     return x, weight, freqs_cos, freqs_sin, gen
 
 
@@ -82,7 +85,7 @@ def check(rows, heads, head_dim, dtype, layout, affine, seed, grad_layout="conti
 
 
 @given(rows=st.sampled_from([(1, 1), (2, 5), (3, 7), (2, 2, 3)]), heads=st.integers(1, 4),
-       head_dim=st.sampled_from([2, 4, 8, 16]), layout=st.sampled_from(["positions", "rows", "shared"]),
+       head_dim=st.sampled_from([2, 4, 8, 16]), layout=st.sampled_from(["positions", "rows", "shared", "heads"]),
        affine=st.booleans(), grad_layout=st.sampled_from(GRAD_LAYOUTS), seed=st.integers(0, 2**16))
 def test_matches_the_wan_chain_in_float64(rows, heads, head_dim, layout, affine, grad_layout, seed):
     check(rows, heads, head_dim, torch.float64, layout, affine, seed, grad_layout)
@@ -241,11 +244,13 @@ def check_kernels(rows, heads, head_dim, dtype, layout, affine, seed, out_dtype=
     ((2, 5), 1, 2), ((1, 7, 3), 2, 4), ((3, 9), 3, 10), ((2, 33), 12, 128), ((1, 9), 40, 128), ((2, 4), 16, 256),
     ((1, 3), 64, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("layout", ["positions", "rows", "shared"])
+@pytest.mark.parametrize("layout", ["positions", "rows", "shared", "heads"])
 @pytest.mark.parametrize("affine", [True, False])
 def test_kernels_match_float64(kernels, rows, heads, head_dim, dtype, layout, affine):
     """Row widths from one pair to kMaxFeatures = 16,384 (one to four groups a thread; D = 30 off the
-    16-byte vector), every table layout, with and without a weight."""
+    16-byte vector), every table layout, with and without a weight: tables broadcast over the heads
+    take the kernels' one set of angles a thread where its groups lie whole heads apart, "heads" and
+    the odd widths a set a group."""
     check_kernels(rows, heads, head_dim, dtype, layout, affine, seed=sum(rows) + heads)
 
 

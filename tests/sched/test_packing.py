@@ -12,7 +12,7 @@ from adaptiveload.sched import (Calibration, DualConstraintBucketSampler, Packed
                                 make_plan, reference_mix, sampler_from_plan)
 from adaptiveload.sched.cost_model import QuadraticCostModel
 from adaptiveload.sched.metrics import composition
-from adaptiveload.sched.packing import GROUP_PACKS, WATER_LEVEL_ROUNDS, _cut_groups, _lpt, _top_up
+from adaptiveload.sched.packing import GROUP_PACKS, LOAD_TOLERANCE, WATER_LEVEL_ROUNDS, _cut_groups, _lpt, _top_up
 from adaptiveload.sched.policies import step_order
 
 COST = QuadraticCostModel(18.75e-3, 7.16e-6, 3.957e-10)
@@ -82,7 +82,9 @@ def test_packs_are_balanced_on_random_corpora(seed, n, spread, world):
 @example(seed=0, world=64, m_mem=151200, epoch=0)
 def test_steps_are_near_random_samples(seed, world, m_mem, epoch):
     """On the reference mix, with memory for two of its longest clips or more and the budget of the
-    longest clip alone (the plan's choice there), nearly every pack reaches the same time, so the packs
+    longest clip alone (the plan's choice there), nearly every pack reaches the same time -- 98% of them
+    within the packer's band (LOAD_TOLERANCE, 2%) of the median (98.9-99.7% over 14 random draws; within
+    1% it is 96-99% at 256 ranks, whose 161 steps an epoch round the pack count most coarsely), so the packs
     need no sorting by time and a step's samples are close to random ones: its KS against the corpus
     at most 1.75 times that of the same steps filled with the samples in random order. (A packer whose
     packs run out of tokens before the budget -- those without long clips -- must give them steps of
@@ -94,7 +96,7 @@ def test_steps_are_near_random_samples(seed, world, m_mem, epoch):
     smp = PackingSampler(m.seq_lens, m_mem, budget, COST, num_replicas=world, rank=0, seed=seed)
     ep = smp.epoch_plan(epoch)
     times = ep.pack_times(COST)
-    assert np.mean(np.abs(times / np.median(times) - 1) <= 0.01) >= 0.95
+    assert np.mean(np.abs(times / np.median(times) - 1) <= LOAD_TOLERANCE) >= 0.98
     step, sample = ep.step_samples()
     ks, _ = composition(step, sample, m.seq_lens)
     random_ks, _ = composition(step, np.random.default_rng(seed).permutation(sample), m.seq_lens)
