@@ -3,9 +3,9 @@
 // threads, ...), kept in registers across the row's reduction; VEC is even, so a group holds whole
 // (even, odd) pairs of one head. Few threads a row, many groups each, and several rows a block keep
 // more bytes in flight a SM than a block of one row (a row of D = 1,536 bf16 is one warp's, 6 groups a
-// lane). The rotation tables and the weight are read through the read-only path, issued with x's
-// loads, not after the row's reduction (a round trip to L2 a group after it held the v2 kernels to a
-// third of speed-of-light). Forward: each block its blockDim.y rows. Backward: a full wave of blocks
+// lane). The rotation tables are read through the read-only path, issued with x's loads, not after
+// the row's reduction (a round trip to L2 a group after it held the v2 kernels to a third of
+// speed-of-light); the weight, which stays in L1, through the ordinary one. Forward: each block its blockDim.y rows. Backward: a full wave of blocks
 // going over the rows blockDim.y at a time, the next row's x and dy loaded while the current one is
 // reduced and stored, each thread-row's dweight partial in registers (so the backward takes fewer
 // groups a thread: one of 16-bit x, C * VEC = 8, where the row allows).
