@@ -229,6 +229,9 @@ class Calibration:
         (:attr:`CostModel.warning`), and the memory model."""
         lines = [f"calibration: {len(self.points)} points on {self.device or '?'} (torch {self.torch_version or '?'}, {self.date or '?'})",
                  f"  cost:   {self.cost_model.describe()}"]
+        fit = self.cost_model.fit
+        if fit is not None and fit.n_points != len(self.points):  # e.g. a preset's published fit
+            lines[0] += f"; its cost model was fitted on {fit.n_points} measured steps, not these points"
         if self.cost_model.warning:
             lines.append(f"  warning: {self.cost_model.warning}")
         if self.memory_model:

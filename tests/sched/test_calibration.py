@@ -107,6 +107,8 @@ def test_anchors_presets_reproduce_the_published_numbers():
     # ~1 GiB per 1k tokens (presets.py: 1.052 MiB per token)
     assert cal.memory_model.m1 * 1000 / GIB == pytest.approx(1.0, abs=0.05)
     assert set(PRESETS) == {"anchors-wan1.3b", "anchors-wan1.3b-power"}
+    # the five stored points beside the published fit over all 15 measured steps, said as such
+    assert cal.describe().splitlines()[0].endswith("; its cost model was fitted on 15 measured steps, not these points")
     with pytest.raises(FileNotFoundError, match="built-in: anchors-wan1.3b"):
         load_calibration("no-such-preset")
 
@@ -118,6 +120,7 @@ def test_times_measured_under_load_fall_back_with_one_warning(tmp_path):
     cal = Calibration.from_points(pts, settings={}, device="cpu")
     assert cal.cost_model.kind == "linear" and len(cal.cost_model.fit.warnings) == 1
     lines = cal.describe().splitlines()
+    assert "fitted on" not in lines[0]  # (its cost model fitted on its own points)
     assert lines[2] == f"  warning: {cal.cost_model.warning}"
     assert cal.cost_model.warning.startswith("poor step-time fit (power: ")
     path = tmp_path / "cal.json"
