@@ -7,7 +7,8 @@
 // The CUDA kernels here take the inputs that the Python validation accepts and the kernels handle
 // (fast_* below: sizes, dtypes and devices compared, nothing allocated); every other call goes to the
 // op's Python CUDA path (set_fallbacks), whose validation raises the ValueError naming the tensor and
-// whose reference serves float64, rows wider than kMaxFeatures, empty x and mixed modulation dtypes.
+// whose reference serves float64, rows wider than kMaxFeatures, empty x, mixed modulation dtypes and
+// the gradients of the rotation tables.
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -103,6 +104,39 @@ bool fast_residual_backward(const Tensor& dout, const optional<Tensor>& dr, cons
          (!mean.has_value() || fast_like(*mean, r, rows));
 }
 
+// The q/k RMSNorm -> RoPE op: cos and sin (each read as fp32, of any kernel dtype) must broadcast to
+// [*x.shape[:-1], heads, Dh / 2]; the gradients of cos and sin come from the Python path's reference.
+bool fast_table(const Tensor& t, const Tensor& x, int64_t heads) {
+  const int64_t rows = x.dim() - 1, dims = rows + 2;
+  if (t.device() != x.device() || !kernel_dtype(t.scalar_type()) || t.dim() > dims) return false;
+  for (int64_t i = 1; i <= t.dim(); ++i) {  // aligned from the right, as broadcasting is
+    const int64_t want = i == 1 ? x.size(-1) / heads / 2 : i == 2 ? heads : x.size(dims - i);
+    if (t.size(-i) != 1 && t.size(-i) != want) return false;
+  }
+  return true;
+}
+
+bool fast_rope_inputs(const Tensor& x, const optional<Tensor>& weight, const Tensor& cos, const Tensor& sin,
+                      int64_t heads) {
+  return fast_rows(x) && heads > 0 && x.size(-1) % heads == 0 && (x.size(-1) / heads) % 2 == 0 &&
+         fast_param(weight, x) && fast_table(cos, x, heads) && fast_table(sin, x, heads);
+}
+
+bool fast_rope_forward(const Tensor& x, const optional<Tensor>& weight, const Tensor& cos, const Tensor& sin,
+                       int64_t heads, double eps, at::ScalarType out_dtype) {
+  return eps >= 0 && kernel_dtype(out_dtype) && fast_rope_inputs(x, weight, cos, sin, heads);
+}
+
+bool fast_rope_backward(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const Tensor& cos,
+                        const Tensor& sin, const Tensor& rstd, std::array<bool, 4> output_mask) {
+  if (output_mask[2] || output_mask[3] || !fast_rows(x) || dy.dim() != x.dim() + 1) return false;
+  const at::IntArrayRef rows = x.sizes().slice(0, x.dim() - 1);
+  const int64_t heads = dy.size(-2);
+  return dy.device() == x.device() && kernel_dtype(dy.scalar_type()) && dy.sizes().slice(0, x.dim() - 1) == rows &&
+         heads * dy.size(-1) == x.size(-1) && fast_rope_inputs(x, weight, cos, sin, heads) &&
+         fast_like(rstd, x, rows);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The Python CUDA paths (adaptiveload/ops/<op>/op.py), for the calls the fast checks turn away
 
@@ -115,6 +149,8 @@ enum Op : int {
   kResAdalnBackward,
   kResRms,
   kResRmsBackward,
+  kRope,
+  kRopeBackward,
   kOps
 };
 
@@ -132,7 +168,7 @@ Result python_path(Op op, const Args&... args) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// CUDA kernels of the eight ops (their schemas: adaptiveload/ops/<op>/op.py)
+// CUDA kernels of the ten ops (their schemas: adaptiveload/ops/<op>/op.py)
 
 Tensors3 adaln_cuda(const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
                     const Tensor& scale, const optional<Tensor>& shift, double eps, at::ScalarType out_dtype) {
@@ -201,6 +237,21 @@ Tensors6 residual_rms_backward_cuda(const Tensor& dout, const optional<Tensor>& 
   return residual_rms_backward(dout, dr, r, y, gate, weight, scale, shift, rstd, x_dtype);
 }
 
+Tensors2 rope_cuda(const Tensor& x, const optional<Tensor>& weight, const Tensor& cos, const Tensor& sin,
+                   int64_t heads, double eps, at::ScalarType out_dtype) {
+  if (!fast_rope_forward(x, weight, cos, sin, heads, eps, out_dtype))
+    return python_path<Tensors2>(kRope, x, weight, cos, sin, heads, eps, out_dtype);
+  return rms_norm_rope_forward(x, weight, cos, sin, heads, eps, out_dtype);
+}
+
+Tensors4 rope_backward_cuda(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const Tensor& cos,
+                            const Tensor& sin, const Tensor& rstd, std::array<bool, 4> output_mask) {
+  if (!fast_rope_backward(dy, x, weight, cos, sin, rstd, output_mask))
+    return python_path<Tensors4>(kRopeBackward, dy, x, weight, cos, sin, rstd, output_mask);
+  auto [dx, dweight] = rms_norm_rope_backward(dy, x, weight, cos, sin, rstd, output_mask[1]);
+  return {dx, dweight, or_empty(Tensor(), x), or_empty(Tensor(), x)};
+}
+
 // ---------------------------------------------------------------------------------------------
 // AutogradCUDA kernels: what common.differentiable registers in Python (the Autograd alias key, which
 // keeps serving CPU), in C++ for CUDA tensors. The forward saves its tensor inputs and statistics,
@@ -233,6 +284,11 @@ using ResRmsBwdSig = Tensors6(const Tensor&, const optional<Tensor>&, const Tens
                               const optional<Tensor>&, const optional<Tensor>&, const optional<Tensor>&,
                               const optional<Tensor>&, const Tensor&, at::ScalarType);
 
+using RopeSig = Tensors2(const Tensor&, const optional<Tensor>&, const Tensor&, const Tensor&, int64_t, double,
+                         at::ScalarType);
+using RopeBwdSig = Tensors4(const Tensor&, const Tensor&, const optional<Tensor>&, const Tensor&, const Tensor&,
+                            const Tensor&, std::array<bool, 4>);
+
 const c10::TypedOperatorHandle<AdalnSig>& adaln_op() {
   static const auto op = typed_op<AdalnSig>("adaptiveload::adaln_modulate");
   return op;
@@ -264,6 +320,15 @@ const c10::TypedOperatorHandle<ResRmsSig>& residual_rms_op() {
 }
 const c10::TypedOperatorHandle<ResRmsBwdSig>& residual_rms_backward_op() {
   static const auto op = typed_op<ResRmsBwdSig>("adaptiveload::residual_rms_norm_modulate_backward");
+  return op;
+}
+
+const c10::TypedOperatorHandle<RopeSig>& rope_op() {
+  static const auto op = typed_op<RopeSig>("adaptiveload::rms_norm_rope");
+  return op;
+}
+const c10::TypedOperatorHandle<RopeBwdSig>& rope_backward_op() {
+  static const auto op = typed_op<RopeBwdSig>("adaptiveload::rms_norm_rope_backward");
   return op;
 }
 
@@ -322,6 +387,35 @@ struct RmsFunction : public torch::autograd::Function<RmsFunction> {
     auto g = rms_backward_op().call(grads[0], s[0], saved(s[1]), s[2], saved(s[3]), s[4]);
     return {std::get<0>(g), unless_absent(std::get<1>(g), s[1]), std::get<2>(g),
             unless_absent(std::get<3>(g), s[3]), Tensor(), Tensor()};
+  }
+};
+
+// The q/k RMSNorm -> RoPE op: saves x, weight, cos, sin and rstd; the backward op's output_mask says
+// which of (x, weight, cos, sin) need a gradient (what autograd asks for, as the Python kernel reads
+// ctx.needs_input_grad), so dweight is skipped when only dx is wanted.
+struct RopeFunction : public torch::autograd::Function<RopeFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const optional<Tensor>& weight,
+                               const Tensor& cos, const Tensor& sin, int64_t heads, double eps,
+                               at::ScalarType out_dtype) {
+    Tensor y, rstd;
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      std::tie(y, rstd) = rope_op().call(x, weight, cos, sin, heads, eps, out_dtype);
+    }
+    ctx->save_for_backward({x, weight.value_or(Tensor()), cos, sin, rstd});
+    ctx->mark_non_differentiable({rstd});
+    return {y, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    // (autograd's edges count the tensor inputs given: x, weight when present, cos, sin)
+    const size_t w = s[1].defined() ? 1 : 0;
+    const std::array<bool, 4> mask = {ctx->needs_input_grad(0), w && ctx->needs_input_grad(1),
+                                      ctx->needs_input_grad(1 + w), ctx->needs_input_grad(2 + w)};
+    auto g = rope_backward_op().call(grads[0], s[0], saved(s[1]), s[2], s[3], s[4], mask);
+    return {std::get<0>(g), mask[1] ? std::get<1>(g) : Tensor(), mask[2] ? std::get<2>(g) : Tensor(),
+            mask[3] ? std::get<3>(g) : Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -500,6 +594,28 @@ Tensors6 residual_rms_backward_autograd(const Tensor& dout, const optional<Tenso
   return {g[0], g[1], g[2], g[3], g[4], g[5]};
 }
 
+
+Tensors2 rope_autograd(const Tensor& x, const optional<Tensor>& weight, const Tensor& cos, const Tensor& sin,
+                       int64_t heads, double eps, at::ScalarType out_dtype) {
+  if (!needs_grad(x, weight, cos, sin)) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return rope_op().call(x, weight, cos, sin, heads, eps, out_dtype);
+  }
+  auto out = RopeFunction::apply(x, weight, cos, sin, heads, eps, out_dtype);
+  return {out[0], out[1]};
+}
+
+Tensors4 rope_backward_autograd(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const Tensor& cos,
+                                const Tensor& sin, const Tensor& rstd, std::array<bool, 4> output_mask) {
+  if (!needs_grad(dy, x, weight, cos, sin, rstd)) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return rope_backward_op().call(dy, x, weight, cos, sin, rstd, output_mask);
+  }
+  auto g = FirstDerivativeOnly<Tensors4, RopeBwdSig>::apply(&rope_backward_op(), dy, x, weight, cos, sin, rstd,
+                                                            output_mask);
+  return {g[0], g[1], g[2], g[3]};
+}
+
 }  // namespace
 
 void register_dispatch(py::dict paths) {
@@ -510,7 +626,9 @@ void register_dispatch(py::dict paths) {
                                           "residual_adaln_modulate",
                                           "residual_adaln_modulate_backward",
                                           "residual_rms_norm_modulate",
-                                          "residual_rms_norm_modulate_backward"};
+                                          "residual_rms_norm_modulate_backward",
+                                          "rms_norm_rope",
+                                          "rms_norm_rope_backward"};
   for (int i = 0; i < kOps; ++i) {
     TORCH_CHECK(paths.contains(names[i]), "register_dispatch: no Python CUDA path for ", names[i]);
     py::object fn = paths[names[i]];
@@ -530,6 +648,8 @@ TORCH_LIBRARY_IMPL(adaptiveload, CUDA, m) {
   m.impl("residual_adaln_modulate_backward", TORCH_FN(adaln::residual_adaln_backward_cuda));
   m.impl("residual_rms_norm_modulate", TORCH_FN(adaln::residual_rms_cuda));
   m.impl("residual_rms_norm_modulate_backward", TORCH_FN(adaln::residual_rms_backward_cuda));
+  m.impl("rms_norm_rope", TORCH_FN(adaln::rope_cuda));
+  m.impl("rms_norm_rope_backward", TORCH_FN(adaln::rope_backward_cuda));
 }
 
 TORCH_LIBRARY_IMPL(adaptiveload, AutogradCUDA, m) {
@@ -541,4 +661,6 @@ TORCH_LIBRARY_IMPL(adaptiveload, AutogradCUDA, m) {
   m.impl("residual_adaln_modulate_backward", TORCH_FN(adaln::residual_adaln_backward_autograd));
   m.impl("residual_rms_norm_modulate", TORCH_FN(adaln::residual_rms_autograd));
   m.impl("residual_rms_norm_modulate_backward", TORCH_FN(adaln::residual_rms_backward_autograd));
+  m.impl("rms_norm_rope", TORCH_FN(adaln::rope_autograd));
+  m.impl("rms_norm_rope_backward", TORCH_FN(adaln::rope_backward_autograd));
 }

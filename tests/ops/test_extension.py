@@ -271,7 +271,7 @@ def test_build_removes_a_stale_baton_under_the_lock(fresh, monkeypatch, tmp_path
     assert calls["paths"] == ["adaln_modulate", "adaln_modulate_backward", "residual_adaln_modulate",
                               "residual_adaln_modulate_backward", "residual_rms_norm_modulate",
                               "residual_rms_norm_modulate_backward", "rms_norm_modulate",
-                              "rms_norm_modulate_backward"]
+                              "rms_norm_modulate_backward", "rms_norm_rope", "rms_norm_rope_backward"]
 
 
 @pytest.mark.slow  # two Python subprocesses that import torch

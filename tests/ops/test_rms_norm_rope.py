@@ -313,3 +313,61 @@ def test_kernels_bf16_at_least_as_accurate_as_the_eager_chain(kernels):
 def test_tables_that_need_a_gradient_take_the_reference_on_cuda(kernels):
     """cos and sin that require grad: their gradients (and the call's others) from the reference."""
     check(((2, 5)), 2, 8, torch.float32, "positions", True, 9, device="cuda")
+
+
+def test_cuda_paths_are_handed_to_the_dispatcher_kernels():
+    """The op's two Python CUDA paths are in extension.CUDA_PATHS, which the kernel module's C++
+    dispatcher kernels get on load for the calls they do not take."""
+    assert extension.CUDA_PATHS["rms_norm_rope"] is rope_op._rms_norm_rope_cuda
+    assert extension.CUDA_PATHS["rms_norm_rope_backward"] is rope_op._rms_norm_rope_backward_cuda
+
+
+@pytest.mark.cuda
+def test_dispatcher_kernels_hand_bad_inputs_and_float64_to_the_python_path(kernels):
+    """Once the kernels are loaded, CUDA calls take the C++ CUDA and AutogradCUDA kernels; a bad input
+    still raises the Python path's ValueError naming the tensor, float64 runs the reference, and
+    the kernels serve the next good call."""
+    for key in ("CUDA", "AutogradCUDA"):
+        for name in ("rms_norm_rope", "rms_norm_rope_backward"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"adaptiveload::{name}", key), (name, key)
+    x = torch.randn(2, 5, 16, device="cuda")
+    cos, sin = torch.ones(1, 5, 1, 4, device="cuda"), torch.zeros(1, 5, 1, 4, device="cuda")
+    bad = [(dict(heads=3), r"rms_norm_rope: x \(shape \[2, 5, 16\].*heads = 3"),
+           (dict(cos=torch.ones(1, 5, 1, 8, device="cuda")), r"cos \(shape \[1, 5, 1, 8\].*must broadcast"),
+           (dict(sin=torch.zeros(1, 5, 1, 4)), r"sin \(shape \[1, 5, 1, 4\].*is on cpu"),
+           (dict(weight=torch.ones(8, device="cuda")), r"weight \(shape \[8\].*must have shape \[16\]"),
+           (dict(eps=-1.0), "eps must be a non-negative number")]
+    for change, message in bad:
+        args = dict(x=x, weight=None, cos=cos, sin=sin, heads=2, eps=EPS, out_dtype=torch.float32)
+        args.update(change)
+        with pytest.raises(ValueError, match=message):
+            rms_norm_rope(*args.values())
+    y, rstd = rms_norm_rope(x.double(), None, cos, sin, 2, EPS, torch.float64)
+    assert rstd.dtype == torch.float64
+    ref = wan_chain(x.double(), None, cos.double().repeat_interleave(2, -1), sin.double().repeat_interleave(2, -1), 2)
+    assert_rel(y, ref, 1e-12, "y")
+    with pytest.raises(ValueError, match=r"rms_norm_rope_backward: dy \(shape \[2, 5, 16\]"):
+        rms_norm_rope_backward(torch.ones_like(x), x, None, cos, sin, rstd.float(), [True, False, False, False])
+    check_kernels((2, 9), 2, 64, torch.bfloat16, "positions", True, 10)
+
+
+@pytest.mark.cuda
+def test_dispatcher_autograd_asks_only_for_the_gradients_needed(kernels):
+    """The C++ AutogradCUDA kernel passes the backward op the mask of what autograd asks for: x alone,
+    weight alone, each equal to the backward op's answer for that mask; no double backward."""
+    x, weight, freqs_cos, freqs_sin, gen = inputs((2, 33), 4, 32, torch.bfloat16, "positions", True, 11)
+    x, weight = x.cuda(), weight.cuda()
+    cos, sin = freqs_cos.float().cuda()[..., 0::2], freqs_sin.float().cuda()[..., 1::2]
+    y, rstd = rms_norm_rope(x, weight, cos, sin, 4, EPS, torch.bfloat16)
+    dy = torch.randn(y.shape, generator=gen).to("cuda", torch.bfloat16)
+    dx, dweight, *_ = rms_norm_rope_backward(dy, x, weight, cos, sin, rstd, [True, True, False, False])
+    for leaf, want in ((x, dx), (weight, dweight)):
+        leaf.requires_grad_(True)
+        (g,) = torch.autograd.grad(rms_norm_rope(x, weight, cos, sin, 4, EPS, torch.bfloat16)[0], leaf, dy)
+        assert torch.equal(g, want)
+        leaf.requires_grad_(False)
+    x.requires_grad_(True)
+    (g,) = torch.autograd.grad(rms_norm_rope(x, None, cos, sin, 4, EPS, torch.float32)[0].square().sum(), x,
+                               create_graph=True)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        g.sum().backward()

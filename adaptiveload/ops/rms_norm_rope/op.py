@@ -12,7 +12,9 @@ reference implementation (``reference.py``: CPU and any device without its own k
 path (validation, then the ``csrc/rms_norm_rope/`` kernels: a block a row forward; backward a full wave
 of blocks with dweight summed in a fixed order, so the same bits every run; the reference for float64,
 rows wider than the kernels take, and for the gradients of cos and sin, which the models' rotation
-tables never need). The FX pattern folds sites on the device types of :data:`FUSED_DEVICES`.
+tables never need). Once the kernels are loaded, CUDA calls take their C++ dispatcher kernels
+(``csrc/norm_modulate_dispatch.cu``, no Python per call), which hand this CUDA path the calls they do
+not take. The FX pattern folds sites on the device types of :data:`FUSED_DEVICES`.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from adaptiveload.ops import common
+from adaptiveload.ops import common, extension
 from adaptiveload.ops.rms_norm_rope import reference
 
 _OP = "rms_norm_rope"
@@ -194,3 +196,7 @@ def _rms_norm_rope_backward_cuda(dy, x, weight, cos, sin, rstd, output_mask):
         return common.grads_or_empty(reference.backward(dy, x, weight, cos, sin, rstd, mask), x)
     dx, dweight = ops.rope_backward(dy, x, weight, cos, sin, rstd, mask[1])
     return dx, dweight, common.or_empty(None, x), common.or_empty(None, x)
+
+
+extension.CUDA_PATHS.update({"rms_norm_rope": _rms_norm_rope_cuda,
+                              "rms_norm_rope_backward": _rms_norm_rope_backward_cuda})
