@@ -15,8 +15,7 @@ in bf16 (cos, sin and the weights too, as in a model cast whole to bf16), for q 
 each eager and compiled by Inductor (``torch.compile``), and ``norm+rope`` also as the fused op
 ``torch.ops.adaptiveload.rms_norm_rope`` (``op``: called directly, q and k one call each) and compiled
 with ``backend="adaptiveload"`` (``adaptiveload``: the pass folds each site into that op, Inductor
-compiles the rest; the script adds CUDA to the pattern's ``FUSED_DEVICES`` for this, which by default
-leaves CUDA sites to Inductor, and checks that both sites were folded), forward alone and forward + backward
+compiles the rest), forward alone and forward + backward
 (``torch.autograd.grad`` of every input that a model trains: q, k and the weights), GPU time as
 triton.testing.do_bench's median in ms, and as a fraction of speed-of-light: the x-sized bf16
 tensors that must move over the copy bandwidth measured in the same run. Forward: read q and k, write
@@ -39,7 +38,6 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import adaptiveload  # noqa: F401  (the "adaptiveload" backend and torch.ops.adaptiveload.*)
-from adaptiveload.ops.rms_norm_rope import pattern as rope_pattern
 from op_bench import finish, start
 
 EPS = 1e-6
@@ -77,16 +75,7 @@ def implementations(chain: str, fn, heads: int) -> list:
     """(name, callable) of each implementation timed for the chain."""
     impls = [("eager", fn), ("inductor", torch.compile(fn))]
     if chain == "norm+rope":
-        backend = torch.compile(fn, backend="adaptiveload")
-
-        def folded(*a):  # (the pattern consults FUSED_DEVICES when it compiles, on the first call)
-            devices = rope_pattern.FUSED_DEVICES
-            rope_pattern.FUSED_DEVICES = devices | {"cuda"}
-            try:
-                return backend(*a)
-            finally:
-                rope_pattern.FUSED_DEVICES = devices
-        impls += [("adaptiveload", folded), ("op", lambda *a: fused(*a, heads))]
+        impls += [("adaptiveload", torch.compile(fn, backend="adaptiveload")), ("op", lambda *a: fused(*a, heads))]
     return impls
 
 

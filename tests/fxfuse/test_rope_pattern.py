@@ -104,10 +104,10 @@ def _loss(out):
     return sum(o.float().square().mean() for o in (out if isinstance(out, tuple) else (out,)))
 
 
-def _compiled_run(module, args):
+def _compiled_run(module, args, inner="aot_eager"):
     """Loss, gradients, the backend's reports and the adaptiveload op calls of one compiled forward."""
     torch._dynamo.reset()
-    compiled = torch.compile(module, backend="adaptiveload", options={"inner": "aot_eager"}, fullgraph=True)
+    compiled = torch.compile(module, backend="adaptiveload", options={"inner": inner}, fullgraph=True)
     with collect_reports() as reports:
         loss = _loss(compiled(*args))
     grads = torch.autograd.grad(loss, list(module.parameters()))
@@ -185,3 +185,25 @@ def test_a_new_sequence_length_reuses_the_fold():
             x, c, s = _inputs(S)
             torch.testing.assert_close(compiled(x, c, s), module(x, c, s), rtol=1e-5, atol=1e-6)
     assert all(r.of_pattern("rms_norm_rope").fused == 2 for r in reports) and 1 <= len(reports) <= 2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_cuda_sites_fold_into_the_kernels_under_inductor(dtype, rtol):
+    """On CUDA ("cuda" in FUSED_DEVICES), with Inductor compiling the rest: both sites folded into the
+    op's kernels, loss and every gradient equal to eager's on the same GPU (bf16 within its rounding)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    assert "cuda" in rope_pattern.FUSED_DEVICES
+    torch.manual_seed(0)
+    module = Attention().to("cuda", dtype)
+    args = tuple(t.to("cuda", dtype) for t in _inputs(S=40))
+    ref_loss = _loss(module(*args))
+    ref_grads = torch.autograd.grad(ref_loss, list(module.parameters()))
+    loss, grads, reports, calls = _compiled_run(module, args, inner="inductor")
+    (report,) = reports
+    assert report.of_pattern("rms_norm_rope").fused == 2, report.table()
+    assert calls["adaptiveload::rms_norm_rope"] == 2
+    torch.testing.assert_close(loss, ref_loss, rtol=rtol / 10, atol=1e-6)
+    for g, r in zip(grads, ref_grads):  # (plus an absolute floor: the key bias's true gradient is ~0)
+        assert (g.double() - r.double()).norm() <= rtol * r.double().norm() + 1e-5

@@ -29,13 +29,12 @@ from adaptiveload.ops.rms_norm_rope import reference
 _OP = "rms_norm_rope"
 
 #: Device types on which the FX pattern folds a q/k RMSNorm -> RoPE site into the op; on any other it
-#: leaves the site as written (and records why). CPU: the reference, which fusing costs nothing. Not
-#: CUDA yet: the op's kernels are correct (their tests and compute-sanitizer pass) but not faster than
-#: Inductor's generated kernel for the chain at every Wan width (on an H200 forward + backward 1.02 ms
-#: against 0.87 at 1 x 32,760 x 1,536, 2.66 against 2.47 at x 5,120; a per-block Wan-1.3B step with the
-#: sites folded 0.992x Inductor's time, paired): benchmarks/KERNEL_NOTES.md, "A fused q/k RMSNorm +
-#: RoPE op". On CUDA the op serves direct calls.
-FUSED_DEVICES: frozenset[str] = frozenset({"cpu"})
+#: leaves the site as written (and records why). CPU: the reference, which fusing costs nothing. CUDA:
+#: the op's kernels, called through their C++ dispatcher registration; on an H200 the per-block
+#: Wan-1.3B step at 12 x 1,560 with the sites folded takes 0.964x Inductor's time (paired over 11
+#: rounds, 0.910-0.982) and 0.60x its norm-site GPU time (benchmarks/results/wan_step_h200_rope_dispatch.md;
+#: benchmarks/KERNEL_NOTES.md, "A fused q/k RMSNorm + RoPE op").
+FUSED_DEVICES: frozenset[str] = frozenset({"cpu", "cuda"})
 
 
 def _rope_shape(op: str, x: Tensor, heads: int) -> list:
