@@ -129,7 +129,7 @@ bool fast_rope_forward(const Tensor& x, const optional<Tensor>& weight, const Te
 
 bool fast_rope_backward(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const Tensor& cos,
                         const Tensor& sin, const Tensor& rstd, std::array<bool, 4> output_mask) {
-  if (output_mask[2] || output_mask[3] || !fast_rows(x) || dy.dim() != x.dim() + 1) return false;
+  if (output_mask[2] || output_mask[3] || x.dim() < 2 || dy.dim() != x.dim() + 1) return false;
   const at::IntArrayRef rows = x.sizes().slice(0, x.dim() - 1);
   const int64_t heads = dy.size(-2);
   return dy.device() == x.device() && kernel_dtype(dy.scalar_type()) && dy.sizes().slice(0, x.dim() - 1) == rows &&
