@@ -36,7 +36,8 @@
 #              -> $OUT/segmented_${SEGMENTED_TAG:-h200}.json / .md and segmented_${SEGMENTED_TAG:-h200}_residual.*
 #   rope       the q/k RMSNorm -> RoPE op (csrc/rms_norm_rope/): its CUDA tests -> $OUT/rope_tests.log, then
 #              benchmarks/bench_qk_norm.py (eager, Inductor, the backend and the op; ROPE_ARGS)
-#              -> $OUT/qk_norm_${ROPE_TAG:-h200}.json / .md
+#              -> $OUT/qk_norm_${ROPE_TAG:-h200}.json / .md, then kernel_stages.py rope (the op's kernels'
+#              GPU µs by thread cap against Inductor's) -> $OUT/rope_caps.log
 #   ltx        benchmarks/bench_dit_step.py --model ltx (diffusers LTX-Video training step, backend vs Inductor;
 #              needs diffusers as a wheel in .whl; LTX_ARGS) -> $OUT/ltx_step_${LTX_TAG:-h200}.json / .md
 #   wan        benchmarks/bench_dit_step.py --model wan --profile (diffusers Wan 2.1 1.3B shape, 10 layers, training
@@ -173,6 +174,8 @@ if want rope; then
   timeout ${ROPE_TIMEOUT:-300} python3 benchmarks/bench_qk_norm.py --out "$OUT" --tag "${ROPE_TAG:-h200}" ${ROPE_ARGS:-} \
     >"$OUT/rope.log" 2>&1
   echo "rope: exit $?"; cat "$OUT/rope.log"
+  timeout ${ROPE_CAPS_TIMEOUT:-240} python3 benchmarks/kernel_stages.py rope >"$OUT/rope_caps.log" 2>&1
+  echo "rope caps: exit $?"; cat "$OUT/rope_caps.log"
 fi
 if want ltx; then
   timeout ${LTX_TIMEOUT:-400} python3 benchmarks/bench_dit_step.py --model ltx --out "$OUT" --tag "${LTX_TAG:-h200}" \

@@ -24,6 +24,8 @@ with the private adaptiveload.ops._tuning.override (its keywords in parentheses 
   columns  GPU µs of each kernel of the backwards (row, column-reduction and totals kernels) at LTX-Video's and
          Wan's norm sites (stage_columns); forces nothing, so with gpu_session.sh ab (AB_STAGE=columns) it
          compares two builds
+  rope   GPU µs of the q/k RMSNorm -> RoPE op's kernels by thread cap a row (max_threads) against Inductor's
+         compiled chain, at Wan's q/k shapes (stage_rope)
   host   host time of one forward+backward call per implementation (bench_adaln.host_time_us)
   calls  host time (µs) of one direct call of each op's forward and backward, calls issued with no sync
          between them (the C++ dispatcher path, no autograd): rms_norm_modulate at LTX-Video's (8, 384,
@@ -38,7 +40,7 @@ with the private adaptiveload.ops._tuning.override (its keywords in parentheses 
 
 Times are triton.testing.do_bench medians (ms) and fractions of speed-of-light: bytes that must move
 (per-sample forward 2, backward 3 x-sized tensors; per-token 4 and 6) / measured copy bandwidth.
-Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,ab,store,tail,small,columns,host,calls}
+Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,ab,store,tail,small,columns,rope,host,calls}
 """
 from __future__ import annotations
 
@@ -301,6 +303,27 @@ def stage_small(tt, op, bwd, bw):
               f"{ind:.4f} ms ({100 * (sol_f + sol_b) / ind:.0f}%), fused / Inductor {fus / ind:.2f}", flush=True)
 
 
+def kernels_us(fn, calls=50) -> dict:
+    """GPU µs a call of fn by kernel name (torch.profiler, mean of `calls` calls after 5 warm-up calls;
+    template instances of one kernel added up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    us = {}
+    for e in events:
+        if e.device_time_total > 0:
+            name = e.key.split("<")[0].replace("void ", "").replace("adaln::", "")
+            us[name] = us.get(name, 0.0) + e.device_time_total / calls
+    return us
+
+
 def stage_columns(tt, op, bwd, bw):
     """GPU µs of every kernel of the backwards at the models' row counts (per-sample modulation; torch.profiler,
     mean of 50 calls): rms_norm_modulate at LTX-Video's (8, 384) and (1, 6144), D = 2048, bf16 modulation;
@@ -309,26 +332,7 @@ def stage_columns(tt, op, bwd, bw):
     the affine LayerNorm without modulation (norm2), and the plain residual into the modulated norm (norm3). Kernels
     of one name (template instances) are added up. Forces nothing:
     with gpu_session.sh ab (AB_STAGE=columns) it compares two builds' row, column-reduction and totals kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
     ops, bf, randn = torch.ops.adaptiveload, torch.bfloat16, cuda_randn()
-
-    def kernels_us(fn, calls=50):
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        us = {}
-        for e in events:
-            if e.device_time_total > 0:
-                name = e.key.split("<")[0].replace("void ", "").replace("adaln::", "")
-                us[name] = us.get(name, 0.0) + e.device_time_total / calls
-        return us
-
     cases = {}
     for B, N in ((8, 384), (1, 6144)):
         x, dy = randn(B, N, 2048), randn(B, N, 2048)
@@ -357,6 +361,51 @@ def stage_columns(tt, op, bwd, bw):
         us = kernels_us(fn)
         print(f"{name}: total {sum(us.values()):.1f} us; " + "; ".join(f"{k} {v:.1f}" for k, v in us.items()),
               flush=True)
+
+
+def stage_rope(tt, op, bwd, bw):
+    """GPU µs of the q/k RMSNorm -> RoPE op's kernels (rms_norm_rope, q and k one call each, forward and
+    backward with dweight; torch.profiler) by thread cap a row (max_threads: auto and the caps that give
+    2, 3 and 4+ groups a thread), settings alternated three times, against Inductor's compiled chain
+    (bench_qk_norm.py's diffusers Wan code, all of its forward and backward kernels) at Wan's 12 x 1,560
+    and 1 x 32,760 (12 heads) and 2 x 1,560 and 1 x 32,760 (40 heads), bf16. SoL: 4 x-sized moves
+    forward, 10 forward + backward (bench_qk_norm.py's count)."""
+    from bench_qk_norm import inputs, norm_rope
+
+    ops, gen = torch.ops.adaptiveload, torch.Generator(device="cuda").manual_seed(0)
+    mask = [True, True, False, False]
+    for heads, shapes, caps in ((12, ((12, 1560), (1, 32760)), ("auto", 96, 64, 32)),
+                                (40, ((2, 1560), (1, 32760)), ("auto", 320, 160, 96))):
+        for B, S in shapes:
+            fn, args = inputs(B, S, heads, 128, "norm+rope", gen)
+            q, k, wq, wk, cos, sin = args
+            sol_f = 4 * q.numel() * q.element_size() / bw * 1e6
+            trained = [a for a in args if a.requires_grad]
+            compiled = torch.compile(lambda *a: norm_rope(*a, heads))
+            outs = compiled(*args)
+            grads = [torch.randn_like(o) for o in outs]
+            ind = sum(kernels_us(lambda: torch.autograd.grad(compiled(*args), trained, grads), calls=20).values())
+            c, s_ = cos.float()[..., 0::2], sin.float()[..., 1::2]
+
+            def both():
+                for x, w, g in ((q, wq, grads[0]), (k, wk, grads[1])):
+                    y, rstd = ops.rms_norm_rope(x, w, c, s_, heads, EPS, x.dtype)
+                    ops.rms_norm_rope_backward(g, x, w, c, s_, rstd, mask)
+
+            cells = {cap: [] for cap in caps}
+            for _ in range(3):
+                for cap in caps:
+                    with override(max_threads=cap):
+                        us = kernels_us(both, calls=20)
+                    fwd = sum(v for n, v in us.items() if "rope_forward" in n)
+                    bwd_us = sum(v for n, v in us.items() if "rope_backward" in n or "rope_dweight" in n)
+                    cells[cap].append((fwd, bwd_us, sum(us.values())))
+            line = [f"{B}x{S} D={heads * 128}: Inductor fwd+bwd {ind:.1f} us ({100 * 2.5 * sol_f / ind:.0f}%)"]
+            for cap, runs in cells.items():
+                fwd, bwd_us, tot = (sorted(r[i] for r in runs)[1] for i in range(3))
+                line.append(f"{cap}: fwd {fwd:.1f} us ({100 * sol_f / fwd:.0f}%) bwd {bwd_us:.1f} "
+                            f"({100 * 1.5 * sol_f / bwd_us:.0f}%) all {tot:.1f} ({100 * 2.5 * sol_f / tot:.0f}%)")
+            print("; ".join(line), flush=True)
 
 
 def op_calls_host_us(rounds: int = 9, calls: int = 1000) -> dict:
@@ -408,7 +457,7 @@ def op_calls_host_us(rounds: int = 9, calls: int = 1000) -> dict:
 
 STAGES = {"sweep": stage_sweep, "ring": stage_ring, "wide": stage_wide, "ab": stage_ab, "store": stage_store,
           "tail": stage_tail, "small": stage_small,
-          "columns": stage_columns}
+          "columns": stage_columns, "rope": stage_rope}
 
 
 def main(argv=None) -> int:

@@ -8,9 +8,10 @@
 // broadcast: diffusers' Wan tables are [1, S, 1, Dh / 2] views with stride 2 along i). Backward, the
 // rotation transposed: dn[2i] = dy[2i] * cos + dy[2i + 1] * sin, dn[2i + 1] = dy[2i + 1] * cos - dy[2i] * sin;
 // g = dn * w; dx = rstd * (g - x_hat * mean_D(g * x_hat)); dweight = sum over rows of dn * x_hat,
-// summed deterministically (each thread-row of the backward's grid into its own partial row, then the
-// partials in a fixed order by a second kernel). Statistics and arithmetic in fp32; x, y, dy and dx
-// each in its own dtype. (reference: adaptiveload/ops/rms_norm_rope/reference.py)
+// summed deterministically (each thread-row of the backward's grid into its own row in shared memory,
+// those in order into the block's partial, then the partials in a fixed order by a second kernel).
+// Statistics and arithmetic in fp32; x, y, dy and dx each in its own dtype. (reference:
+// adaptiveload/ops/rms_norm_rope/reference.py)
 // This header holds no torch types.
 #pragma once
 
@@ -36,6 +37,7 @@ struct RopeArgs {
   RopeTable cos, sin;
   float* rstd = nullptr;  // [B * N]: written by the forward, read by the backward
   bool aligned = false;   // D a multiple of the vector width and every row pointer 16-byte aligned
+  int max_threads = 0;    // threads-a-row cap (rope_shape; 0: automatic), set_tuning's for benchmarks
   // forward
   void* y = nullptr;
   DType yt = DType::F32;
@@ -45,9 +47,9 @@ struct RopeArgs {
   void* dx = nullptr;
   DType dxt = DType::F32;
   float* dweight = nullptr;  // fp32 [D] or null (no weight, or its gradient not wanted)
-  float* totals = nullptr;   // the thread-rows' dweight partials, [partials, D] (where partials > 1)
+  float* totals = nullptr;   // the backward blocks' dweight partials, [partials, D] (where partials > 1)
   int blocks = 0;            // backward grid (rope_backward_plan)
-  int partials = 0;          // dweight partials of that grid: one a thread-row (rope_backward_plan)
+  int partials = 0;          // dweight partials of that grid: one a block (rope_backward_plan)
 };
 
 // A launch's shape: threads a row (a multiple of 32), rows a block, groups of VEC a thread.
@@ -60,7 +62,8 @@ inline int rope_vec(DType xt) { return xt == DType::F32 ? 4 : 8; }
 // Forward: each block its rows. Launch on `stream`.
 void launch_rope_forward(const RopeArgs& a, cudaStream_t stream);
 // The backward's grid (a.blocks: resident blocks, a full wave, no more than the rows need) and its
-// dweight partials (a.partials, one a thread-row: a.totals holds [a.partials, D] floats where more than one).
+// dweight partials (a.partials, one a block: a.totals holds [a.partials, D] floats where more than one).
+// Set a.dweight first: the blocks' shared memory (a row of partials a thread-row) depends on it.
 void rope_backward_plan(RopeArgs& a);
 // Backward: a.blocks blocks over the rows; then the dweight partials summed in a fixed order.
 void launch_rope_backward(const RopeArgs& a, cudaStream_t stream);

@@ -1,14 +1,13 @@
 // The rms_norm_rope kernels (rope.cuh has the math). A block is blockDim.y rows of blockDim.x threads
 // each (rope_shape); a thread owns C groups of VEC consecutive features of its row (groups tid, tid +
 // threads, ...), kept in registers across the row's reduction; VEC is even, so a group holds whole
-// (even, odd) pairs of one head. Few threads a row, many groups each, and several rows a block keep
-// more bytes in flight a SM than a block of one row (a row of D = 1,536 bf16 is one warp's, 6 groups a
-// lane). The rotation tables are read through the read-only path, issued with x's loads, not after
-// the row's reduction (a round trip to L2 a group after it held the v2 kernels to a third of
-// speed-of-light); the weight, which stays in L1, through the ordinary one. Forward: each block its blockDim.y rows. Backward: a full wave of blocks
-// going over the rows blockDim.y at a time, the next row's x and dy loaded while the current one is
-// reduced and stored, each thread-row's dweight partial in registers (so the backward takes fewer
-// groups a thread: one of 16-bit x, C * VEC = 8, where the row allows).
+// (even, odd) pairs of one head. Several groups a thread and several rows a block keep more bytes in
+// flight a SM than a block of one row. The rotation tables are read through the read-only path, issued
+// with x's loads, not after the row's reduction (a round trip to L2 a group after it held the v2
+// kernels to a third of speed-of-light); the weight, which stays in L1, through the ordinary one.
+// Forward: each block its blockDim.y rows. Backward: a full wave of blocks going over the rows
+// blockDim.y at a time, each thread-row's dweight partial in shared memory (not registers, so that a
+// thread may take several groups), one partial a block.
 #include "rms_norm_rope/rope.cuh"
 
 namespace adaln {
@@ -16,6 +15,7 @@ namespace {
 
 constexpr int kRopeRows = 8;       // most rows a block
 constexpr int kRopeThreads = 512;  // most threads a row (and a block)
+constexpr int kRopeFwdThreads = 160;  // the forward's cap on threads a row where none is set (rope_shape)
 
 // The sum of v over the blockDim.x threads of each row of the block; every thread gets its row's.
 // One warp a row: shuffles alone. Else each warp's partial through `red` (2 * kRopeRows * 32 floats,
@@ -49,6 +49,20 @@ __device__ __forceinline__ void row_bn(const RopeArgs& a, int64_t row, int64_t& 
   }
 }
 
+// Where a thread's sets of angles start in a row (head h, pair i of the group at column (k * threads +
+// tid) * VEC), found once a thread: the same for every row.
+template <int VEC, int kSets>
+struct AngleStart {
+  int h[kSets], i[kSets];
+  __device__ __forceinline__ AngleStart(const RopeArgs& a, int threads, int tid) {
+#pragma unroll
+    for (int k = 0; k < kSets; ++k) {
+      const int col = (k * threads + tid) * VEC;
+      h[k] = col / a.Dh, i[k] = (col - h[k] * a.Dh) >> 1;
+    }
+  }
+};
+
 // The cos and sin of the pairs of a thread's groups in one row: kSets sets of VEC / 2 pairs, set k
 // for the group at column (k * threads + tid) * VEC. With kShared, one set serves every group: the
 // tables are broadcast over the heads (sh = 0) and the groups of a thread lie whole heads apart
@@ -58,14 +72,15 @@ __device__ __forceinline__ void row_bn(const RopeArgs& a, int64_t row, int64_t& 
 template <int VEC, int kSets>
 struct RowAngles {
   float c[kSets][VEC / 2], s[kSets][VEC / 2];
-  __device__ __forceinline__ RowAngles(const RopeArgs& a, int64_t b, int64_t n, int threads, int tid) {
+  __device__ __forceinline__ RowAngles(const RopeArgs& a, int64_t b, int64_t n, int threads, int tid,
+                                       const AngleStart<VEC, kSets>& st) {
     const float* cr = a.cos.p + b * a.cos.sb + n * a.cos.sn;
     const float* sr = a.sin.p + b * a.sin.sb + n * a.sin.sn;
     const int pairs = a.Dh >> 1;
 #pragma unroll
     for (int k = 0; k < kSets; ++k) {
       const int col = (k * threads + tid) * VEC;
-      int h = col / a.Dh, i = (col - h * a.Dh) >> 1;  // the group's head and first pair (a group may cross a head)
+      int h = st.h[k], i = st.i[k];  // (a group may cross into the next head)
 #pragma unroll
       for (int q = 0; q < VEC / 2; ++q) {
         if (i == pairs) i = 0, ++h;
@@ -91,15 +106,9 @@ __device__ __forceinline__ void weight_at(const RopeArgs& a, int col, float (&w)
   }
 }
 
-// 16-bit x: at most 256 threads a block (rope_shape: 2,048 groups of 8 at kMaxFeatures over 8 a thread)
-// and 85 registers, three blocks a SM (64 spill the 8-group instance); fp32: 512 threads, 64 registers.
-template <typename Tx>
-constexpr int rope_fwd_threads() { return sizeof(Tx) == 4 ? kRopeThreads : 256; }
-template <typename Tx>
-constexpr int rope_fwd_blocks() { return sizeof(Tx) == 4 ? 2 : 3; }
-
 template <typename Tx, int VEC, int C, bool kShared>
-__global__ void __launch_bounds__(rope_fwd_threads<Tx>(), rope_fwd_blocks<Tx>()) rope_forward_kernel(RopeArgs a) {
+__global__ void __launch_bounds__(kRopeThreads, 2) rope_forward_kernel(RopeArgs a) {
+  constexpr int kSets = kShared ? 1 : C;
   __shared__ float red[2 * kRopeRows * 32];
   const int tid = threadIdx.x, threads = blockDim.x, D = a.D;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -109,7 +118,7 @@ __global__ void __launch_bounds__(rope_fwd_threads<Tx>(), rope_fwd_blocks<Tx>())
   row_bn(a, r0, b, n);
   Raw<Tx, VEC> xr[C];
   load_chunks<Tx, VEC, C>(static_cast<const Tx*>(a.x) + r0 * D, valid ? D : 0, threads, tid, a.aligned, xr);
-  const RowAngles<VEC, kShared ? 1 : C> r(a, b, n, threads, tid);
+  const RowAngles<VEC, kSets> r(a, b, n, threads, tid, AngleStart<VEC, kSets>(a, threads, tid));
   float ss = 0.f;
 #pragma unroll
   for (int c = 0; c < C; ++c)
@@ -142,108 +151,124 @@ __global__ void __launch_bounds__(rope_fwd_threads<Tx>(), rope_fwd_blocks<Tx>())
   }
 }
 
-// One row's inputs to the backward as a thread holds them: its groups of x and dy, raw, and rstd.
-template <typename Tx, typename DyRows, int VEC, int C>
-struct RopeRowIn {
-  Raw<Tx, VEC> x[C];
-  typename DyRows::template RawT<VEC> dy[C];
-  float rstd;
-  // row's (zeros and rstd 0 past the last row: no memory read)
-  __device__ __forceinline__ void load(const RopeArgs& a, int64_t row, int threads, int tid) {
-    const bool valid = row < a.B * a.N;
-    const int64_t r0 = valid ? row : 0;
-    const int Dv = valid ? a.D : 0;
-    rstd = valid ? __ldg(a.rstd + row) : 0.f;
-    load_chunks<Tx, VEC, C>(static_cast<const Tx*>(a.x) + r0 * a.D, Dv, threads, tid, a.aligned, x);
-    DyRows::template load<VEC, C>(DyRows::at(a.dy, a.dyt, r0 * a.D), a.dyt, Dv, threads, tid, a.aligned, dy);
+// One group of VEC features of a row at column col (zeros past D): g = dn * w, x_hat and p = dn * x_hat
+// (the row's dweight terms), dn the rotation transposed of dy by the group's angles c, s.
+template <typename Tx, typename DyRows, int VEC>
+__device__ __forceinline__ void rope_grads(const RopeArgs& a, const Raw<Tx, VEC>& x,
+                                           const typename DyRows::template RawT<VEC>& dy, const float (&c)[VEC / 2],
+                                           const float (&s)[VEC / 2], float rstd, int col, float (&g)[VEC],
+                                           float (&h)[VEC], float (&p)[VEC]) {
+  float d[VEC], w[VEC];
+  DyRows::template to_f<VEC>(dy, a.dyt, d);
+  weight_at<VEC>(a, col, w);
+#pragma unroll
+  for (int j = 0; j < VEC; j += 2) {
+    const float cs = c[j / 2], sn = s[j / 2];  // (0 past D, so g = 0 there)
+    const float dn1 = d[j] * cs + d[j + 1] * sn, dn2 = d[j + 1] * cs - d[j] * sn;
+    h[j] = to_f<Tx>(x.v[j]) * rstd, h[j + 1] = to_f<Tx>(x.v[j + 1]) * rstd;
+    p[j] = dn1 * h[j], p[j + 1] = dn2 * h[j + 1];
+    g[j] = dn1 * w[j], g[j + 1] = dn2 * w[j + 1];
   }
-};
+}
+
+// dw[col + j] += p[j]: a thread-row's dweight partial in shared memory (16-byte accesses where aligned).
+template <int VEC>
+__device__ __forceinline__ void add_partial(float* dw, int col, int D, bool aligned, const float (&p)[VEC]) {
+  if (aligned) {
+    float4* q = reinterpret_cast<float4*>(dw + col);
+#pragma unroll
+    for (int v = 0; v < VEC / 4; ++v) {
+      float4 t = q[v];
+      t.x += p[4 * v], t.y += p[4 * v + 1], t.z += p[4 * v + 2], t.w += p[4 * v + 3];
+      q[v] = t;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      if (col + j < D) dw[col + j] += p[j];
+  }
+}
 
 // DyRows: TypedRows<Tx> where dy has x's dtype (half the registers of AnyRows for 16-bit dy), else
-// AnyRows. A full wave of blocks goes over the rows, each thread-row loading its next row's x and dy
-// while it reduces and stores the current one (so a SM keeps a row's bytes in flight a thread-row all
-// along). dn (and g = dn * w) is formed twice, before and after the row's reduction, from the raw x and
-// dy kept in registers, instead of keeping it: fewer registers.
+// AnyRows. A full wave of blocks goes over the rows, blockDim.y at a time. Each thread-row adds its
+// rows' dn * x_hat into its own row of dweight partials in shared memory (dynamic, blockDim.y * D
+// floats where a dweight is wanted), at the columns its thread owns, so no two threads touch one
+// element and the sums need no atomics; the block then adds its rows' partials in order into its row of
+// a.totals. dn (and g = dn * w) is formed twice, before and after the row's reduction, from the raw x
+// and dy kept in registers, instead of keeping it: fewer registers.
 template <typename Tx, typename DyRows, int VEC, int C, bool kShared>
 __global__ void __launch_bounds__(kRopeThreads, 2) rope_backward_kernel(RopeArgs a) {
+  constexpr int kSets = kShared ? 1 : C;
+  extern __shared__ float4 dw_smem[];
   __shared__ float red[2 * kRopeRows * 32];
   const int tid = threadIdx.x, threads = blockDim.x, D = a.D;
   const int64_t rows = a.B * a.N, step = static_cast<int64_t>(gridDim.x) * blockDim.y;
-  float dw[C][VEC];
+  float* const dw_all = reinterpret_cast<float*>(dw_smem);
+  float* const dw = a.dweight ? dw_all + threadIdx.y * D : nullptr;
+  if (dw) {
 #pragma unroll
-  for (int c = 0; c < C; ++c)
+    for (int c = 0; c < C; ++c)
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) dw[c][j] = 0.f;
+      for (int j = 0; j < VEC; ++j) {
+        const int col = (c * threads + tid) * VEC + j;
+        if (col < D) dw[col] = 0.f;
+      }
+  }
+  const AngleStart<VEC, kSets> start(a, threads, tid);
   int parity = 0;
-  RopeRowIn<Tx, DyRows, VEC, C> cur;
-  cur.load(a, static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y, threads, tid);
   // (the same trip count for every thread of the block: the rows past the end take part in row_sum)
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows; base += step) {
     const int64_t row = base + threadIdx.y;
     const bool valid = row < rows;
-    RopeRowIn<Tx, DyRows, VEC, C> next;
-    next.load(a, row + step, threads, tid);
+    const int64_t r0 = valid ? row : 0;
+    const int Dv = valid ? D : 0;  // (loads of an invalid row: zeros)
+    const float rstd = valid ? a.rstd[row] : 0.f;
+    Raw<Tx, VEC> xr[C];
+    load_chunks<Tx, VEC, C>(static_cast<const Tx*>(a.x) + r0 * D, Dv, threads, tid, a.aligned, xr);
+    typename DyRows::template RawT<VEC> dyr[C];
+    DyRows::template load<VEC, C>(DyRows::at(a.dy, a.dyt, r0 * D), a.dyt, Dv, threads, tid, a.aligned, dyr);
     int64_t b, n;
-    row_bn(a, valid ? row : 0, b, n);
-    const RowAngles<VEC, kShared ? 1 : C> r(a, b, n, threads, tid);
-    const float rstd = cur.rstd;
-    // g = dn * w and x_hat of the pairs of group c (zeros past D); with `sum`, dn * x_hat added to dw
-    auto grads = [&](int c, float (&g)[VEC], float (&h)[VEC], bool sum) {
-      const int col = (c * threads + tid) * VEC;
-      const int k = kShared ? 0 : c;
-      float d[VEC], w[VEC];
-      DyRows::template to_f<VEC>(cur.dy[c], a.dyt, d);
-      weight_at<VEC>(a, col, w);
-#pragma unroll
-      for (int j = 0; j < VEC; j += 2) {
-        const float cs = r.c[k][j / 2], sn = r.s[k][j / 2];  // (0 past D, so g = 0 there)
-        const float dn1 = d[j] * cs + d[j + 1] * sn, dn2 = d[j + 1] * cs - d[j] * sn;
-        h[j] = to_f<Tx>(cur.x[c].v[j]) * rstd, h[j + 1] = to_f<Tx>(cur.x[c].v[j + 1]) * rstd;
-        if (sum) dw[c][j] += dn1 * h[j], dw[c][j + 1] += dn2 * h[j + 1];
-        g[j] = dn1 * w[j], g[j + 1] = dn2 * w[j + 1];
-      }
-    };
+    row_bn(a, r0, b, n);
+    const RowAngles<VEC, kSets> r(a, b, n, threads, tid, start);
     float dot = 0.f;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      float g[VEC], h[VEC];
-      grads(c, g, h, true);
+      const int col = (c * threads + tid) * VEC, k = kShared ? 0 : c;
+      float g[VEC], h[VEC], p[VEC];
+      rope_grads<Tx, DyRows, VEC>(a, xr[c], dyr[c], r.c[k], r.s[k], rstd, col, g, h, p);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) dot += g[j] * h[j];
+      if (dw && col < D) add_partial<VEC>(dw, col, D, a.aligned, p);
     }
     const float m = row_sum(dot, red, parity) / D;
-    if (valid) {
-      void* dxrow = elem_ptr(a.dx, a.dxt, row * D);
+    if (!valid) continue;
+    void* dxrow = elem_ptr(a.dx, a.dxt, row * D);
 #pragma unroll
-      for (int c = 0; c < C; ++c) {
-        const int col = (c * threads + tid) * VEC;
-        if (col >= D) continue;
-        float g[VEC], h[VEC];
-        grads(c, g, h, false);
+    for (int c = 0; c < C; ++c) {
+      const int col = (c * threads + tid) * VEC;
+      if (col >= D) continue;
+      float g[VEC], h[VEC], p[VEC];
+      rope_grads<Tx, DyRows, VEC>(a, xr[c], dyr[c], r.c[kShared ? 0 : c], r.s[kShared ? 0 : c], rstd, col, g, h, p);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) g[j] = rstd * (g[j] - h[j] * m);
-        store_any<VEC>(dxrow, a.dxt, col, D, a.aligned, g);
-      }
+      for (int j = 0; j < VEC; ++j) g[j] = rstd * (g[j] - h[j] * m);
+      store_any<VEC>(dxrow, a.dxt, col, D, a.aligned, g);
     }
-    cur = next;
   }
-  if (!a.dweight) return;
-  // this thread-row's partial of dweight (row `part` of a.partials; with a single one, the total)
-  const int64_t part = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  float* dst = a.partials == 1 ? a.dweight : a.totals + part * D;
-#pragma unroll
-  for (int c = 0; c < C; ++c) {
-    const int col = (c * threads + tid) * VEC;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j)
-      if (col + j < D) dst[col + j] = dw[c][j];
+  if (!dw) return;
+  // the block's partial: its thread-rows' rows added in order (with a single block, dweight itself)
+  __syncthreads();
+  float* dst = gridDim.x == 1 ? a.dweight : a.totals + static_cast<int64_t>(blockIdx.x) * D;
+  for (int d = threadIdx.y * threads + tid; d < D; d += threads * blockDim.y) {
+    float t = 0.f;
+    for (int y = 0; y < static_cast<int>(blockDim.y); ++y) t += dw_all[y * D + d];
+    dst[d] = t;
   }
 }
 
 // dweight[d] = the sum of the backward's partials[p, d] over p in a fixed order: thread (x, y) of a block
 // of 32 columns sums p = y, y + kReduceLanes, ... and the kReduceLanes sums are added in y order. No
-// atomics: the same bits every run. (Several hundred partials, one a resident thread-row, are more
-// than launch_reduce_totals' one thread a column reads quickly: 15 us at D = 1,536 on an H200.)
+// atomics: the same bits every run. (Several hundred partials, one a resident block, are more than
+// launch_reduce_totals' one thread a column reads quickly: 15 us at D = 1,536 on an H200.)
 constexpr int kReduceLanes = 32;
 __global__ void __launch_bounds__(32 * kReduceLanes) rope_dweight_kernel(const float* __restrict__ partials, int P,
                                                                          int D, float* __restrict__ dweight) {
@@ -264,15 +289,17 @@ __global__ void __launch_bounds__(32 * kReduceLanes) rope_dweight_kernel(const f
   }
 }
 
-// Threads a row, rows a block and groups a thread for rows of D features: up to max_groups groups of
-// VEC a thread, a warp a row where that covers it, else as few warps as take the row (more groups
-// where kRopeThreads would not: D <= kMaxFeatures needs at most 8 of fp32); rows up to 256 threads a
-// block (kRopeRows at most).
-RopeShape rope_shape(int D, int vec, int max_groups) {
+// Threads a row, rows a block and groups a thread for rows of D features: as few groups of VEC a
+// thread (1, 2, 3, 4, or 8: fp32 past 8,192 features) as keep the threads a row within the cap, the
+// groups spread evenly over the threads (in warps); rows up to 256 threads a block (kRopeRows at most).
+// The cap is max_threads where set, else kRopeFwdThreads forward and kRopeThreads backward: measured on
+// an H200 (bf16, Wan's q/k at D = 1,536 and 40 heads' 5,120; benchmarks/kernel_stages.py rope), the
+// forward is fastest at 2 and 4 groups a thread (96 and 160 threads), the backward at 1 and 2 (192, 320).
+RopeShape rope_shape(int D, int vec, int max_threads, bool backward) {
   const int groups = (D + vec - 1) / vec;
-  int chunks = 1;
-  while (chunks < max_groups && (groups + chunks - 1) / chunks > 32) chunks *= 2;
-  while ((groups + chunks - 1) / chunks > kRopeThreads) chunks *= 2;
+  const int cap = max_threads > 0 ? max_threads / 32 * 32 : backward ? kRopeThreads : kRopeFwdThreads;
+  int chunks = (groups + cap - 1) / cap;
+  if (chunks > 4) chunks = 8;  // (no 5..7)
   const int threads = ((groups + chunks - 1) / chunks + 31) / 32 * 32;
   const int rows = threads >= 256 ? 1 : (256 / threads < kRopeRows ? 256 / threads : kRopeRows);
   return {threads, rows, chunks};
@@ -283,24 +310,33 @@ bool rope_shared_angles(const RopeArgs& a, int vec, const RopeShape& rs) {
   return a.cos.sh == 0 && a.sin.sh == 0 && a.D % vec == 0 && (rs.threads * vec) % a.Dh == 0;
 }
 
+// f(std::integral_constant<int, C>{}) for the chunk counts rope_shape gives (1, 2, 3, 4, 8).
+template <typename F>
+void with_rope_chunks(int chunks, const F& f) {
+  switch (chunks) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 // f(kernel, shape) for the dtypes, the row's shape and the tables' layout.
 template <bool kBackward, typename F>
 void with_rope_kernel(const RopeArgs& a, const F& f) {
   const auto body = [&](auto tag) {
     using Tx = typename std::decay_t<decltype(tag)>::type;
     constexpr int VEC = 16 / sizeof(Tx);
-    // the backward's dweight partial: C * VEC registers a thread
-    const RopeShape rs = rope_shape(a.D, VEC, kBackward ? 8 / VEC : 8);
+    const RopeShape rs = rope_shape(a.D, VEC, a.max_threads, kBackward);
     const bool shared = rope_shared_angles(a, VEC, rs);
-    with_chunk_count<8>(rs.chunks, [&](auto chunk_count) {
+    with_rope_chunks(rs.chunks, [&](auto chunk_count) {
       constexpr int C = decltype(chunk_count)::value;
       const auto pick = [&](auto kShared) {
-        [[maybe_unused]] constexpr bool S = decltype(kShared)::value;
+        constexpr bool S = decltype(kShared)::value;
         if constexpr (!kBackward) f(rope_forward_kernel<Tx, VEC, C, S>, rs);
-        else if constexpr (C * VEC <= 32) {  // (8 but for the widest rows: rope_shape)
-          if (a.dyt == a.xt) f(rope_backward_kernel<Tx, TypedRows<Tx>, VEC, C, S>, rs);
-          else f(rope_backward_kernel<Tx, AnyRows, VEC, C, S>, rs);
-        }
+        else if (a.dyt == a.xt) f(rope_backward_kernel<Tx, TypedRows<Tx>, VEC, C, S>, rs);
+        else f(rope_backward_kernel<Tx, AnyRows, VEC, C, S>, rs);
       };
       if (shared) pick(std::true_type{});
       else pick(std::false_type{});
@@ -311,6 +347,11 @@ void with_rope_kernel(const RopeArgs& a, const F& f) {
     case DType::F16: body(F16Tag{}); break;
     default: body(F32Tag{}); break;
   }
+}
+
+// The backward's dynamic shared memory: a row of dweight partials a thread-row, where one is wanted.
+size_t rope_backward_smem(const RopeArgs& a, const RopeShape& rs) {
+  return a.dweight ? static_cast<size_t>(rs.rows) * a.D * sizeof(float) : 0;
 }
 
 }  // namespace
@@ -324,18 +365,18 @@ void launch_rope_forward(const RopeArgs& a, cudaStream_t stream) {
 
 void rope_backward_plan(RopeArgs& a) {
   with_rope_kernel<true>(a, [&](auto kernel, RopeShape rs) {
-    const int64_t wave =
-        static_cast<int64_t>(blocks_per_sm(reinterpret_cast<const void*>(kernel), rs.threads * rs.rows, 0)) *
-        device_props().sms;
+    const int64_t wave = static_cast<int64_t>(blocks_per_sm(reinterpret_cast<const void*>(kernel),
+                                                            rs.threads * rs.rows, rope_backward_smem(a, rs))) *
+                         device_props().sms;
     const int64_t needed = (a.B * a.N + rs.rows - 1) / rs.rows;
     a.blocks = static_cast<int>(needed < wave ? needed : wave);
-    a.partials = a.blocks * rs.rows;
   });
+  a.partials = a.blocks;
 }
 
 void launch_rope_backward(const RopeArgs& a, cudaStream_t stream) {
   with_rope_kernel<true>(a, [&](auto kernel, RopeShape rs) {
-    kernel<<<a.blocks, dim3(rs.threads, rs.rows), 0, stream>>>(a);
+    kernel<<<a.blocks, dim3(rs.threads, rs.rows), rope_backward_smem(a, rs), stream>>>(a);
   });
   if (a.dweight && a.partials > 1)
     rope_dweight_kernel<<<(a.D + 31) / 32, dim3(32, kReduceLanes), 0, stream>>>(a.totals, a.partials, a.D, a.dweight);

@@ -57,6 +57,7 @@ RopeArgs rope_args(const Tensor& x, const optional<Tensor>& weight, const Tensor
   a.cos = rope_table(cos, x, a.B, a.N, heads, kept.cos);
   a.sin = rope_table(sin, x, a.B, a.N, heads, kept.sin);
   a.aligned = D % rope_vec(a.xt) == 0 && aligned16(a.x) && (!a.weight || aligned16(a.weight));
+  a.max_threads = tuning().max_threads;
   return a;
 }
 
@@ -97,14 +98,12 @@ Tensors2 rms_norm_rope_backward(const Tensor& dy, const Tensor& x, const optiona
   a.aligned = a.aligned && aligned16(a.dy) && aligned16(a.dx) && (a.xt != DType::F32 || a.dyt == DType::F32);
   const auto f32 = x.options().dtype(at::kFloat);
   const Tensor dweight = weight.has_value() && weight_grad ? at::empty({a.D}, f32) : Tensor();
+  if (dweight.defined()) a.dweight = dweight.data_ptr<float>();  // (before the plan: it sizes the shared memory)
   rope_backward_plan(a);
   Tensor totals;
-  if (dweight.defined()) {
-    a.dweight = dweight.data_ptr<float>();
-    if (a.partials > 1) {
-      totals = at::empty({static_cast<int64_t>(a.partials) * a.D}, f32);
-      a.totals = totals.data_ptr<float>();
-    }
+  if (dweight.defined() && a.partials > 1) {
+    totals = at::empty({static_cast<int64_t>(a.partials) * a.D}, f32);
+    a.totals = totals.data_ptr<float>();
   }
   launch_rope_backward(a, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

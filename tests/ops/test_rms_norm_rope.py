@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import adaptiveload  # noqa: F401  (registers torch.ops.adaptiveload.*)
-from adaptiveload.ops import extension
+from adaptiveload.ops import _tuning, extension
 from adaptiveload.ops.rms_norm_rope import op as rope_op
 from adaptiveload.ops.rms_norm_rope import rms_norm_rope, rms_norm_rope_backward
 from adaptiveload.ops.testing import (GRAD_LAYOUTS, OPCHECK_UTILS, TOL, assert_rel, check_op_against_float64,
@@ -252,6 +252,17 @@ def test_kernels_match_float64(kernels, rows, heads, head_dim, dtype, layout, af
     take the kernels' one set of angles a thread where its groups lie whole heads apart, "heads" and
     the odd widths a set a group."""
     check_kernels(rows, heads, head_dim, dtype, layout, affine, seed=sum(rows) + heads)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("max_threads", [32, 64, 96, 160])
+@pytest.mark.parametrize("rows, heads, head_dim", [((2, 33), 12, 128), ((1, 9), 40, 128), ((3, 9), 3, 10)])
+@pytest.mark.parametrize("layout", ["positions", "heads"])
+def test_kernels_at_forced_thread_caps(kernels, max_threads, rows, heads, head_dim, layout):
+    """Fewer threads a row than the kernels' own choice, so more groups a thread (2, 3, 4 and 8 at
+    D = 1,536; up to 8 at 5,120), with one set of angles a thread and with a set a group."""
+    with _tuning.override(max_threads=max_threads):
+        check_kernels(rows, heads, head_dim, torch.bfloat16, layout, True, seed=max_threads + heads)
 
 
 @pytest.mark.cuda
