@@ -227,11 +227,14 @@ class Calibration:
     def describe(self) -> str:
         """Lines: the points measured, the cost model, ``  warning: ...`` when its fit is poor
         (:attr:`CostModel.warning`), and the memory model."""
-        lines = [f"calibration: {len(self.points)} points on {self.device or '?'} (torch {self.torch_version or '?'}, {self.date or '?'})",
-                 f"  cost:   {self.cost_model.describe()}"]
+        n = len(self.points)
+        lines = [f"calibration: {n} measured points stored, from {self.device or '?'} (torch {self.torch_version or '?'}, "
+                 f"{self.date or '?'})", f"  cost:   {self.cost_model.describe()}"]
         fit = self.cost_model.fit
-        if fit is not None and fit.n_points != len(self.points):  # e.g. a preset's published fit
-            lines[0] += f"; its cost model was fitted on {fit.n_points} measured steps, not these points"
+        if fit is not None and fit.n_points > n:  # e.g. a preset: the published fit over more steps than it stores
+            lines[0] += f"; the cost model was fitted on {fit.n_points} measured steps, {n} of them stored here"
+        elif fit is not None and fit.n_points < n:  # points the fit did not use (out of memory, not timed)
+            lines[0] += f"; the cost model was fitted on {fit.n_points} of them"
         if self.cost_model.warning:
             lines.append(f"  warning: {self.cost_model.warning}")
         if self.memory_model:

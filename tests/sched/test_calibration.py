@@ -108,7 +108,7 @@ def test_anchors_presets_reproduce_the_published_numbers():
     assert cal.memory_model.m1 * 1000 / GIB == pytest.approx(1.0, abs=0.05)
     assert set(PRESETS) == {"anchors-wan1.3b", "anchors-wan1.3b-power"}
     # the five stored points beside the published fit over all 15 measured steps, said as such
-    assert cal.describe().splitlines()[0].endswith("; its cost model was fitted on 15 measured steps, not these points")
+    assert cal.describe().splitlines()[0].endswith("; the cost model was fitted on 15 measured steps, 5 of them stored here")
     with pytest.raises(FileNotFoundError, match="built-in: anchors-wan1.3b"):
         load_calibration("no-such-preset")
 
