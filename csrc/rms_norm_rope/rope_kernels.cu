@@ -310,7 +310,8 @@ bool rope_shared_angles(const RopeArgs& a, int vec, const RopeShape& rs) {
   return a.cos.sh == 0 && a.sin.sh == 0 && a.D % vec == 0 && (rs.threads * vec) % a.Dh == 0;
 }
 
-// f(std::integral_constant<int, C>{}) for the chunk counts rope_shape gives (1, 2, 3, 4, 8).
+// f(std::integral_constant<int, C>{}) for the chunk counts rope_shape gives (1, 2, 3, 4, 8): with_chunk_count
+// (norm_modulate.cuh) takes powers of two only, and a 3 there would instantiate every other op's kernels at 3.
 template <typename F>
 void with_rope_chunks(int chunks, const F& f) {
   switch (chunks) {
