@@ -594,7 +594,6 @@ Tensors6 residual_rms_backward_autograd(const Tensor& dout, const optional<Tenso
   return {g[0], g[1], g[2], g[3], g[4], g[5]};
 }
 
-
 Tensors2 rope_autograd(const Tensor& x, const optional<Tensor>& weight, const Tensor& cos, const Tensor& sin,
                        int64_t heads, double eps, at::ScalarType out_dtype) {
   if (!needs_grad(x, weight, cos, sin)) {

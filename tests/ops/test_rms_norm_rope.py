@@ -259,8 +259,9 @@ def test_kernels_match_float64(kernels, rows, heads, head_dim, dtype, layout, af
 @pytest.mark.parametrize("rows, heads, head_dim", [((2, 33), 12, 128), ((1, 9), 40, 128), ((3, 9), 3, 10)])
 @pytest.mark.parametrize("layout", ["positions", "heads"])
 def test_kernels_at_forced_thread_caps(kernels, max_threads, rows, heads, head_dim, layout):
-    """Fewer threads a row than the kernels' own choice, so more groups a thread (2, 3, 4 and 8 at
-    D = 1,536; up to 8 at 5,120), with one set of angles a thread and with a set a group."""
+    """Threads a row capped below the backward's own choice (and, at 32 and 64, the forward's), so more
+    groups a thread (2, 3 and 8 at D = 1,536; 4 and 8 at 5,120), with one set of angles a thread and
+    with a set a group."""
     with _tuning.override(max_threads=max_threads):
         check_kernels(rows, heads, head_dim, torch.bfloat16, layout, True, seed=max_threads + heads)
 
