@@ -7,7 +7,7 @@
 #              default 4, for the fixed-shape tests and the residual / segmented stages' tests) on GPU 1, in the
 #              background while the benchmark runs (first, on GPU 0, where there is one GPU)
 #   sanitize   benchmarks/sanitize.sh after the tests, on the same GPU (SANITIZE_OPS: which ops)
-#   sweep, ring, tail, store, wide, small, host: benchmarks/kernel_stages.py <stage> on GPU 0 -> $OUT/<stage>.log;
+#   sweep, ring, tail, store, wide, small, addend, host: benchmarks/kernel_stages.py <stage> on GPU 0 -> $OUT/<stage>.log;
 #              the kernels choose every launch setting themselves, and these stages force the ones they
 #              compare with the private adaptiveload.ops._tuning.override (its keywords below)
 #   sweep      op-only timings over thread caps (max_threads) and the two-kernel backward (two_kernel)
@@ -123,7 +123,7 @@ if want tests || want sanitize; then
 fi
 
 export CUDA_VISIBLE_DEVICES=0
-for stage in sweep ring tail store wide small; do  # kernel_stages.py's timing stages, in this order
+for stage in sweep ring tail store wide small addend; do  # kernel_stages.py's timing stages, in this order
   if want "$stage"; then
     python3 benchmarks/kernel_stages.py "$stage" >"$OUT/$stage.log" 2>&1
     echo "$stage: exit $?"; cat "$OUT/$stage.log"

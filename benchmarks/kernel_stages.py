@@ -26,6 +26,8 @@ with the private adaptiveload.ops._tuning.override (its keywords in parentheses 
          compares two builds
   rope   GPU µs of the q/k RMSNorm -> RoPE op's kernels by thread cap a row (max_threads) against Inductor's
          compiled chain, at Wan's q/k shapes (stage_rope)
+  addend GPU µs a call of the norm-site backward ops alone, followed by an add to dx, and with that addend
+         taken as dx_addend (stage_addend)
   host   host time of one forward+backward call per implementation (bench_adaln.host_time_us)
   calls  host time (µs) of one direct call of each op's forward and backward, calls issued with no sync
          between them (the C++ dispatcher path, no autograd): rms_norm_modulate at LTX-Video's (8, 384,
@@ -40,7 +42,7 @@ with the private adaptiveload.ops._tuning.override (its keywords in parentheses 
 
 Times are triton.testing.do_bench medians (ms) and fractions of speed-of-light: bytes that must move
 (per-sample forward 2, backward 3 x-sized tensors; per-token 4 and 6) / measured copy bandwidth.
-Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,ab,store,tail,small,columns,rope,host,calls}
+Usage: python benchmarks/kernel_stages.py {sweep,ring,wide,ab,store,tail,small,columns,rope,addend,host,calls}
 """
 from __future__ import annotations
 
@@ -363,6 +365,37 @@ def stage_columns(tt, op, bwd, bw):
               flush=True)
 
 
+def stage_addend(tt, op, bwd, bw):
+    """GPU µs a call (kernels_us: every kernel of the call added up) of the norm-site backward ops at the models'
+    norm1 sites and at N = 65536, three ways: the op alone; the op, then an add of another gradient to its dx (the
+    graph the backend's post-grad pass rewrites: Inductor ran that add as a kernel of its own, or inside another);
+    the op with that gradient as dx_addend. adaln_modulate at Wan's 12 x 1,560 and 1 x 32,760 (D = 1536, fp32
+    .chunk() modulation) and at N = 65536, D = 1536 / 3072; rms_norm_modulate at LTX-Video's (8, 384), D = 2048
+    (bf16 modulation). Speed-of-light: 3 x-sized moves without the addend (dy, x, dx), 4 with it."""
+    ops, bf, randn = torch.ops.adaptiveload, torch.bfloat16, cuda_randn()
+    cases = []
+    for B, N, D in ((12, 1560, 1536), (1, 32760, 1536), (1, 65536, 1536), (1, 65536, 3072)):
+        x, dy, t = randn(B, N, D), randn(B, N, D), randn(B, N, D)
+        c = wan_chunks(randn, B, D)
+        _, mean, rstd = ops.adaln_modulate(x, None, None, c[1], c[0], EPS, bf)
+        cases.append((f"adaln_modulate_backward B={B} N={N} D={D}", x, t,
+                      lambda add=None, x=x, dy=dy, c=c, m=mean, r=rstd: ops.adaln_modulate_backward(
+                          dy, x, None, None, c[1], c[0], m, r, dx_addend=add)))
+    x, dy, t = randn(8, 384, 2048), randn(8, 384, 2048), randn(8, 384, 2048)
+    shift, scale = ltx_shift_scale(randn, 8, 2048)
+    _, rstd = ops.rms_norm_modulate(x, None, scale, shift, EPS, bf)
+    cases.append(("rms_norm_modulate_backward B=8 N=384 D=2048", x, t,
+                  lambda add=None, x=x, dy=dy, s=scale, h=shift, r=rstd: ops.rms_norm_modulate_backward(
+                      dy, x, None, s, h, r, dx_addend=add)))
+    for name, x, t, fn in cases:
+        alone, after, folded = (sum(kernels_us(f).values()) for f in (
+            fn, lambda fn=fn, t=t: fn()[0] + t, lambda fn=fn, t=t: fn(t)))
+        sol3, sol4 = (1e3 * sol_ms(x, k, bw) for k in (3, 4))
+        print(f"{name}: op {alone:.1f} us ({100 * sol3 / alone:.0f}% SoL); op then add {after:.1f} us; "
+              f"op with dx_addend {folded:.1f} us ({100 * sol4 / folded:.0f}% SoL); saved {after - folded:.1f} us",
+              flush=True)
+
+
 def stage_rope(tt, op, bwd, bw):
     """GPU µs of the q/k RMSNorm -> RoPE op's kernels (rms_norm_rope, q and k one call each, forward and
     backward with dweight; torch.profiler) by thread cap a row (max_threads: auto and the caps that give
@@ -457,7 +490,7 @@ def op_calls_host_us(rounds: int = 9, calls: int = 1000) -> dict:
 
 STAGES = {"sweep": stage_sweep, "ring": stage_ring, "wide": stage_wide, "ab": stage_ab, "store": stage_store,
           "tail": stage_tail, "small": stage_small,
-          "columns": stage_columns, "rope": stage_rope}
+          "columns": stage_columns, "rope": stage_rope, "addend": stage_addend}
 
 
 def main(argv=None) -> int:

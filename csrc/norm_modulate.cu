@@ -488,7 +488,7 @@ std::vector<Tensor> op_forward(Norm norm, const Tensor& x, const optional<Tensor
 std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x, const optional<Tensor>& weight,
                                 const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
                                 const optional<Tensor>& mean, const Tensor& rstd,
-                                const optional<Tensor>& segment_ids) {
+                                const optional<Tensor>& segment_ids, const optional<Tensor>& dx_addend) {
   const bool segmented = segment_ids.has_value();
   const int64_t D = x.size(-1);
   TORCH_CHECK(dy_in.sizes() == x.sizes(), "norm_modulate kernels (backward): dy shape ", dims(dy_in.sizes()),
@@ -528,6 +528,14 @@ std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x,
   const auto f32 = x.options().dtype(at::kFloat);
   const Tensor dx = at::empty(x.sizes(), x.options());
   a.dx = dx.data_ptr();
+  Tensor addend;  // (alive until the launch)
+  if (dx_addend.has_value()) {
+    TORCH_CHECK(dx_addend->sizes() == x.sizes() && dx_addend->scalar_type() == x.scalar_type(),
+                "norm_modulate kernels (backward): dx_addend must have x's shape ", dims(x.sizes()),
+                " and dtype, got shape ", dims(dx_addend->sizes()));
+    check_same_device(*dx_addend, x, "dx_addend");
+    addend = dx_addend->contiguous();
+  }
   const bool scale_pt = a.scale.sn != 0;
   const bool shift_pt = shift.has_value() && a.shift.sn != 0;
   // (segmented: x is one sequence, its gradient rows are per segment and never summed)
@@ -557,7 +565,12 @@ std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x,
 
   a.aligned = a.aligned && aligned16(a.dy) && aligned16(a.dx) && (!a.dscale_el || aligned16(a.dscale_el)) &&
               (!a.dshift_el || aligned16(a.dshift_el));
+  // the addend: read by the per-sample ring kernel (BwdArgs::dx_addend; its row widens the ring's slots,
+  // so it is set before the plan), else added after the launch
+  if (addend.defined() && !scale_pt && !segmented && aligned16(addend.data_ptr())) a.dx_addend = addend.data_ptr();
   backward_plan(a);  // after the alignment: the ring (a.stages) needs aligned rows
+  if (a.stages == 0) a.dx_addend = nullptr;
+  const bool kernel_adds = a.dx_addend != nullptr;
   Tensor starts;
   if (segmented) {
     if (a.stages == 0 || a.two_kernel) return {};  // (the ring kernel only; the caller's composite)
@@ -572,6 +585,7 @@ std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x,
   a.aligned = a.aligned && aligned16(a.ws);
   launch_backward(a, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (addend.defined() && !kernel_adds) dx.add_(addend);
 
   auto grad = [&](const Tensor& g, const Tensor& m, bool final) {
     return final ? g : segmented ? g.to(m.scalar_type()) : mod_grad(g, m, x);
@@ -594,14 +608,15 @@ Tensors2 rms_forward(const Tensor& x, const optional<Tensor>& weight, const Tens
 
 Tensors5 adaln_backward(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
                         const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                        const Tensor& mean, const Tensor& rstd) {
-  auto g = op_backward(Norm::Layer, dy, x, weight, bias, scale, shift, mean, rstd);
+                        const Tensor& mean, const Tensor& rstd, const optional<Tensor>& dx_addend) {
+  auto g = op_backward(Norm::Layer, dy, x, weight, bias, scale, shift, mean, rstd, c10::nullopt, dx_addend);
   return {g[0], or_empty(g[1], x), or_empty(g[2], x), g[3], or_empty(g[4], x)};
 }
 
 Tensors4 rms_backward(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
-                      const optional<Tensor>& shift, const Tensor& rstd) {
-  auto g = op_backward(Norm::RMS, dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd);
+                      const optional<Tensor>& shift, const Tensor& rstd, const optional<Tensor>& dx_addend) {
+  auto g = op_backward(Norm::RMS, dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd, c10::nullopt,
+                       dx_addend);
   return {g[0], or_empty(g[1], x), g[3], or_empty(g[4], x)};
 }
 
@@ -616,18 +631,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"), py::arg("eps"),
         py::arg("out_dtype"));
   m.def("backward", &adaln::adaln_backward,
-        "dx, dweight, dbias, dscale, dshift = backward(dy, x, weight?, bias?, scale, shift?, mean, rstd): "
+        "dx, dweight, dbias, dscale, dshift = backward(dy, x, weight?, bias?, scale, shift?, mean, rstd, dx_addend?): "
         "the CUDA body of adaptiveload::adaln_modulate_backward",
         py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("shift"),
-        py::arg("mean"), py::arg("rstd"));
+        py::arg("mean"), py::arg("rstd"), py::arg("dx_addend"));
   m.def("rms_forward", &adaln::rms_forward,
         "y, rstd = rms_forward(x[B,...,D], weight?, scale, shift?, eps, out_dtype): the CUDA body of "
         "adaptiveload::rms_norm_modulate",
         py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("shift"), py::arg("eps"), py::arg("out_dtype"));
   m.def("rms_backward", &adaln::rms_backward,
-        "dx, dweight, dscale, dshift = rms_backward(dy, x, weight?, scale, shift?, rstd): the CUDA body of "
-        "adaptiveload::rms_norm_modulate_backward",
-        py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("shift"), py::arg("rstd"));
+        "dx, dweight, dscale, dshift = rms_backward(dy, x, weight?, scale, shift?, rstd, dx_addend?): the CUDA body "
+        "of adaptiveload::rms_norm_modulate_backward",
+        py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("shift"), py::arg("rstd"),
+        py::arg("dx_addend"));
   m.def("residual_forward", &adaln::residual_adaln_forward,
         "r, out, mean, rstd = residual_forward(x[B,...,D], y, gate?, weight?, bias?, scale?, shift?, eps, r_dtype, "
         "out_dtype): the CUDA body of adaptiveload::residual_adaln_modulate (inputs validated by the caller)",

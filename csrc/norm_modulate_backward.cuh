@@ -3,6 +3,8 @@
 //
 // Gradients (x_hat = (x - mean) * rstd, RMSNorm: mean = 0 and no b; g = dy * (1 + scale) * w):
 //   dx      = rstd * (g - mean_D(g) - x_hat * mean_D(g * x_hat))       (RMSNorm: without mean_D(g))
+//             [+ dx_addend, read in fp32 and added before dx is rounded to x's dtype: the per-sample
+//             ring kernel; the host adds it after the other kernels]
 //   dshift  = sum of dy,                  dscale = sum of dy * (x_hat * w + b)   (broadcast dims)
 //   dweight = sum of dy * (1 + scale) * x_hat,   dbias = sum of dy * (1 + scale)  (all rows)
 //
@@ -83,6 +85,13 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   const Tx* __restrict__ x = static_cast<const Tx*>(a.x);
   const Tdy* __restrict__ dy = static_cast<const Tdy*>(a.dy);
   Tx* __restrict__ dx = static_cast<Tx*>(a.dx);
+  // dx_addend: the per-sample ring kernel only (BwdArgs::dx_addend), not the segmented one; its row
+  // rides the ring slot (a load from global memory ahead of the block reduction stalled every row:
+  // 58 -> 101 µs a call at Wan's 12 x 1,560 x 1,536); in the other kernels it took registers they
+  // hold across the reduction (ptxas sm_90: spills where there were none, e.g. the per-token ring
+  // kernel at 2 chunks of bf16), and the host adds it after them
+  constexpr bool kAddend = RING && !SPT && !SEG;
+  const Tx* __restrict__ dx_add = kAddend ? static_cast<const Tx*>(a.dx_addend) : nullptr;
   const Tm* __restrict__ sc = static_cast<const Tm*>(a.scale.ptr) + b * a.scale.sb;
   Tm* __restrict__ dsc_el = static_cast<Tm*>(a.dscale_el);
   Tm* __restrict__ dsh_el = static_cast<Tm*>(a.dshift_el);
@@ -91,19 +100,23 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
   // in shared memory; the column partial sums stay in registers
   extern __shared__ float4 coef_smem[];
   const CoefRow<VEC> coef{coef_smem}, bias_row{coef_smem + C * (VEC / 4) * blockDim.x};  // bias: SPT only
-  // the ring (RING): slot = [x row | dy row | per-token scale row (SPT)], each rounded up to 128 bytes
+  // the ring (RING): slot = [x row | dy row | per-token scale row (SPT) | dx_addend row (kAddend)], each
+  // rounded up to 128 bytes
   const int S = a.stages;
   const size_t x_bytes = ring_stride(D, sizeof(Tx)), s_off = x_bytes + ring_stride(D, sizeof(Tdy));
-  const size_t stride = s_off + (SPT ? ring_stride(D, sizeof(Tm)) : 0);
+  const size_t a_off = s_off + (SPT ? ring_stride(D, sizeof(Tm)) : 0);
+  const size_t stride = a_off + (dx_add ? x_bytes : 0);
   char* ring = reinterpret_cast<char*>(coef_smem + (SPT ? 2 : 1) * C * (VEC / 4) * T);
   auto fetch = [&](int slot, int64_t n) {  // thread 0: x, dy (and the scale row) of row n into a ring slot
     const int64_t off = (b * a.N + n) * static_cast<int64_t>(D);
     char* dst = ring + slot * stride;
     async_proxy_fence();
-    mbar_expect(&full[slot], static_cast<uint32_t>(D * (sizeof(Tx) + sizeof(Tdy) + (SPT ? sizeof(Tm) : 0))));
+    mbar_expect(&full[slot], static_cast<uint32_t>(D * (sizeof(Tx) + sizeof(Tdy) + (SPT ? sizeof(Tm) : 0) +
+                                                        (dx_add ? sizeof(Tx) : 0))));
     bulk_copy(dst, x + off, static_cast<uint32_t>(D * sizeof(Tx)), &full[slot]);
     bulk_copy(dst + x_bytes, dy + off, static_cast<uint32_t>(D * sizeof(Tdy)), &full[slot]);
     if constexpr (SPT) bulk_copy(dst + s_off, sc + n * a.scale.sn, static_cast<uint32_t>(D * sizeof(Tm)), &full[slot]);
+    if (dx_add) bulk_copy(dst + a_off, dx_add + off, static_cast<uint32_t>(D * sizeof(Tx)), &full[slot]);
   };
   RingCursor cur{full, S};
   if constexpr (RING) cur.start(n0, n1, fetch);
@@ -192,11 +205,21 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
     Raw<Tx, VEC> cx[C];
     Raw<Tdy, VEC> cdy[C];
     Raw<Tm, VEC> cs[C];
+    Raw<Tx, VEC> cadd[kAddend ? C : 1];  // dx's addend (zeros without one), kept across the block reduction
     if constexpr (RING) {
       cur.wait();
       load_chunks(reinterpret_cast<const Tx*>(ring + cur.slot * stride), D, T, tid, true, cx);
       load_chunks(reinterpret_cast<const Tdy*>(ring + cur.slot * stride + x_bytes), D, T, tid, true, cdy);
       if constexpr (SPT) load_chunks(reinterpret_cast<const Tm*>(ring + cur.slot * stride + s_off), D, T, tid, true, cs);
+      if constexpr (kAddend) {
+        if (dx_add) load_chunks(reinterpret_cast<const Tx*>(ring + cur.slot * stride + a_off), D, T, tid, true, cadd);
+        else {
+#pragma unroll
+          for (int c = 0; c < C; ++c)
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) cadd[c].v[j] = from_f<Tx>(0.f);
+        }
+      }
     } else {
 #pragma unroll
       for (int c = 0; c < C; ++c) {
@@ -260,7 +283,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_row_kernel(const BwdArgs a) {
         const float xh = (to_f<Tx>(cx[c].v[j]) - mean) * rstd;
         const float s1 = SPT ? 1.f + to_f<Tm>(cs[c].v[j]) : 1.f;
         const float g = __fmul_rn(__fmul_rn(to_f<Tdy>(cdy[c].v[j]), s1), cf[j]);
-        o[j] = rstd * (g - mg - xh * mgx);
+        o[j] = rstd * (g - mg - xh * mgx) + (kAddend ? to_f<Tx>(cadd[kAddend ? c : 0].v[j]) : 0.f);
       }
       store_f<Tx, VEC>(dx + off, col, D, al, o);
     }
@@ -397,8 +420,9 @@ constexpr size_t kBwdRingBytes = 64 * 1024;  // automatic backward ring: slots f
 template <Norm N, typename Tx, typename Tm, typename Tdy, int C, bool SPT>
 struct BwdKernels {
   static size_t coef(const BwdArgs& a, int threads) { return coef_smem_bytes(SPT ? 2 : 1, C, threads, a.xt); }
-  static size_t slot(const BwdArgs& a) {
-    return ring_stride(a.D, sizeof(Tx)) + ring_stride(a.D, sizeof(Tdy)) + (SPT ? ring_stride(a.D, sizeof(Tm)) : 0);
+  static size_t slot(const BwdArgs& a) {  // as bwd_row_kernel's ring (dx_addend's row: per-sample scale only)
+    return ring_stride(a.D, sizeof(Tx)) + ring_stride(a.D, sizeof(Tdy)) + (SPT ? ring_stride(a.D, sizeof(Tm)) : 0) +
+           (!SPT && a.dx_addend ? ring_stride(a.D, sizeof(Tx)) : 0);
   }
   static size_t smem(const BwdArgs& a, int threads) { return coef(a, threads) + a.stages * slot(a); }
   // the ring up to kBwdRingElems a thread (per-token scale: bwd_ring_chunks_per_token)

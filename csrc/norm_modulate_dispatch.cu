@@ -60,8 +60,10 @@ bool fast_like(const Tensor& t, const Tensor& x, at::IntArrayRef sizes) {
 
 bool fast_backward(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const optional<Tensor>& bias,
                    const Tensor& scale, const optional<Tensor>& shift, const optional<Tensor>& mean,
-                   const Tensor& rstd) {
+                   const Tensor& rstd, const optional<Tensor>& dx_addend) {
   if (!fast_inputs(x, weight, bias, scale, shift) || !fast_like(dy, x, x.sizes())) return false;
+  if (dx_addend.has_value() && !(fast_like(*dx_addend, x, x.sizes()) && dx_addend->scalar_type() == x.scalar_type()))
+    return false;
   const at::IntArrayRef rows = x.sizes().slice(0, x.dim() - 1);
   return fast_like(rstd, x, rows) && (!mean.has_value() || fast_like(*mean, x, rows));
 }
@@ -179,10 +181,10 @@ Tensors3 adaln_cuda(const Tensor& x, const optional<Tensor>& weight, const optio
 
 Tensors5 adaln_backward_cuda(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
                              const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                             const Tensor& mean, const Tensor& rstd) {
-  if (!fast_backward(dy, x, weight, bias, scale, shift, mean, rstd))
-    return python_path<Tensors5>(kAdalnBackward, dy, x, weight, bias, scale, shift, mean, rstd);
-  return adaln_backward(dy, x, weight, bias, scale, shift, mean, rstd);
+                             const Tensor& mean, const Tensor& rstd, const optional<Tensor>& dx_addend) {
+  if (!fast_backward(dy, x, weight, bias, scale, shift, mean, rstd, dx_addend))
+    return python_path<Tensors5>(kAdalnBackward, dy, x, weight, bias, scale, shift, mean, rstd, dx_addend);
+  return adaln_backward(dy, x, weight, bias, scale, shift, mean, rstd, dx_addend);
 }
 
 Tensors2 rms_cuda(const Tensor& x, const optional<Tensor>& weight, const Tensor& scale, const optional<Tensor>& shift,
@@ -193,10 +195,10 @@ Tensors2 rms_cuda(const Tensor& x, const optional<Tensor>& weight, const Tensor&
 }
 
 Tensors4 rms_backward_cuda(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
-                           const optional<Tensor>& shift, const Tensor& rstd) {
-  if (!fast_backward(dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd))
-    return python_path<Tensors4>(kRmsBackward, dy, x, weight, scale, shift, rstd);
-  return rms_backward(dy, x, weight, scale, shift, rstd);
+                           const optional<Tensor>& shift, const Tensor& rstd, const optional<Tensor>& dx_addend) {
+  if (!fast_backward(dy, x, weight, c10::nullopt, scale, shift, c10::nullopt, rstd, dx_addend))
+    return python_path<Tensors4>(kRmsBackward, dy, x, weight, scale, shift, rstd, dx_addend);
+  return rms_backward(dy, x, weight, scale, shift, rstd, dx_addend);
 }
 
 Tensors4 residual_adaln_cuda(const Tensor& x, const Tensor& y, const optional<Tensor>& gate,
@@ -265,11 +267,12 @@ c10::TypedOperatorHandle<Sig> typed_op(const char* name) {
 using AdalnSig = Tensors3(const Tensor&, const optional<Tensor>&, const optional<Tensor>&, const Tensor&,
                           const optional<Tensor>&, double, at::ScalarType);
 using AdalnBwdSig = Tensors5(const Tensor&, const Tensor&, const optional<Tensor>&, const optional<Tensor>&,
-                             const Tensor&, const optional<Tensor>&, const Tensor&, const Tensor&);
+                             const Tensor&, const optional<Tensor>&, const Tensor&, const Tensor&,
+                             const optional<Tensor>&);
 using RmsSig = Tensors2(const Tensor&, const optional<Tensor>&, const Tensor&, const optional<Tensor>&, double,
                         at::ScalarType);
 using RmsBwdSig = Tensors4(const Tensor&, const Tensor&, const optional<Tensor>&, const Tensor&,
-                           const optional<Tensor>&, const Tensor&);
+                           const optional<Tensor>&, const Tensor&, const optional<Tensor>&);
 
 using ResAdalnSig = Tensors4(const Tensor&, const Tensor&, const optional<Tensor>&, const optional<Tensor>&,
                              const optional<Tensor>&, const optional<Tensor>&, const optional<Tensor>&, double,
@@ -362,7 +365,8 @@ struct AdalnFunction : public torch::autograd::Function<AdalnFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    auto g = adaln_backward_op().call(grads[0], s[0], saved(s[1]), saved(s[2]), s[3], saved(s[4]), s[5], s[6]);
+    auto g = adaln_backward_op().call(grads[0], s[0], saved(s[1]), saved(s[2]), s[3], saved(s[4]), s[5], s[6],
+                                      c10::nullopt);
     return {std::get<0>(g), unless_absent(std::get<1>(g), s[1]), unless_absent(std::get<2>(g), s[2]),
             std::get<3>(g), unless_absent(std::get<4>(g), s[4]), Tensor(), Tensor()};
   }
@@ -384,7 +388,7 @@ struct RmsFunction : public torch::autograd::Function<RmsFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    auto g = rms_backward_op().call(grads[0], s[0], saved(s[1]), s[2], saved(s[3]), s[4]);
+    auto g = rms_backward_op().call(grads[0], s[0], saved(s[1]), s[2], saved(s[3]), s[4], c10::nullopt);
     return {std::get<0>(g), unless_absent(std::get<1>(g), s[1]), std::get<2>(g),
             unless_absent(std::get<3>(g), s[3]), Tensor(), Tensor()};
   }
@@ -522,23 +526,24 @@ Tensors2 rms_autograd(const Tensor& x, const optional<Tensor>& weight, const Ten
 
 Tensors5 adaln_backward_autograd(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight,
                              const optional<Tensor>& bias, const Tensor& scale, const optional<Tensor>& shift,
-                             const Tensor& mean, const Tensor& rstd) {
-  if (!needs_grad(dy, x, weight, bias, scale, shift, mean, rstd)) {
+                             const Tensor& mean, const Tensor& rstd, const optional<Tensor>& dx_addend) {
+  if (!needs_grad(dy, x, weight, bias, scale, shift, mean, rstd, dx_addend)) {
     at::AutoDispatchBelowADInplaceOrView below;
-    return adaln_backward_op().call(dy, x, weight, bias, scale, shift, mean, rstd);
+    return adaln_backward_op().call(dy, x, weight, bias, scale, shift, mean, rstd, dx_addend);
   }
   auto g = FirstDerivativeOnly<Tensors5, AdalnBwdSig>::apply(&adaln_backward_op(), dy, x, weight, bias, scale, shift,
-                                                         mean, rstd);
+                                                         mean, rstd, dx_addend);
   return {g[0], g[1], g[2], g[3], g[4]};
 }
 
 Tensors4 rms_backward_autograd(const Tensor& dy, const Tensor& x, const optional<Tensor>& weight, const Tensor& scale,
-                           const optional<Tensor>& shift, const Tensor& rstd) {
-  if (!needs_grad(dy, x, weight, scale, shift, rstd)) {
+                           const optional<Tensor>& shift, const Tensor& rstd, const optional<Tensor>& dx_addend) {
+  if (!needs_grad(dy, x, weight, scale, shift, rstd, dx_addend)) {
     at::AutoDispatchBelowADInplaceOrView below;
-    return rms_backward_op().call(dy, x, weight, scale, shift, rstd);
+    return rms_backward_op().call(dy, x, weight, scale, shift, rstd, dx_addend);
   }
-  auto g = FirstDerivativeOnly<Tensors4, RmsBwdSig>::apply(&rms_backward_op(), dy, x, weight, scale, shift, rstd);
+  auto g = FirstDerivativeOnly<Tensors4, RmsBwdSig>::apply(&rms_backward_op(), dy, x, weight, scale, shift, rstd,
+                                                           dx_addend);
   return {g[0], g[1], g[2], g[3]};
 }
 

@@ -25,12 +25,13 @@ std::vector<at::Tensor> op_forward(Norm norm, const at::Tensor& x, const c10::op
 
 // {dx, dweight, dbias, dscale, dshift} in the inputs' shapes and dtypes (undefined for an absent input:
 // or_empty makes the schemas' [0] tensor where a caller returns one): the CUDA body of either op's
-// backward (mean: none for RMSNorm)
+// backward (mean: none for RMSNorm); dx_addend (x's shape and dtype) is added to dx before it is rounded
 std::vector<at::Tensor> op_backward(Norm norm, const at::Tensor& dy, const at::Tensor& x,
                                     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
                                     const at::Tensor& scale, const c10::optional<at::Tensor>& shift,
                                     const c10::optional<at::Tensor>& mean, const at::Tensor& rstd,
-                                    const c10::optional<at::Tensor>& segment_ids = c10::nullopt);
+                                    const c10::optional<at::Tensor>& segment_ids = c10::nullopt,
+                                    const c10::optional<at::Tensor>& dx_addend = c10::nullopt);
 
 // {r, out, mean (undefined for RMSNorm), rstd} in x's shape: the CUDA body of either residual op's
 // forward (r in r_dtype, out in out_dtype, the statistics fp32). With segment_ids (int [T]): the
@@ -75,13 +76,15 @@ Tensors3 adaln_forward(const at::Tensor& x, const c10::optional<at::Tensor>& wei
 // dx, dweight, dbias, dscale, dshift
 Tensors5 adaln_backward(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                         const c10::optional<at::Tensor>& bias, const at::Tensor& scale,
-                        const c10::optional<at::Tensor>& shift, const at::Tensor& mean, const at::Tensor& rstd);
+                        const c10::optional<at::Tensor>& shift, const at::Tensor& mean, const at::Tensor& rstd,
+                        const c10::optional<at::Tensor>& dx_addend);
 // y, rstd
 Tensors2 rms_forward(const at::Tensor& x, const c10::optional<at::Tensor>& weight, const at::Tensor& scale,
                      const c10::optional<at::Tensor>& shift, double eps, at::ScalarType out_dtype);
 // dx, dweight, dscale, dshift
 Tensors4 rms_backward(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
-                      const at::Tensor& scale, const c10::optional<at::Tensor>& shift, const at::Tensor& rstd);
+                      const at::Tensor& scale, const c10::optional<at::Tensor>& shift, const at::Tensor& rstd,
+                      const c10::optional<at::Tensor>& dx_addend);
 // r, out, mean, rstd
 Tensors4 residual_adaln_forward(const at::Tensor& x, const at::Tensor& y, const c10::optional<at::Tensor>& gate,
                                 const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,

@@ -20,11 +20,15 @@ Options:
         passes options to Inductor.
 
 The rewrite runs on a copy of the graph; if it raises, the backend warns once and compiles the
-original graph, so a half-rewritten graph never reaches the inner compiler.
+original graph, so a half-rewritten graph never reaches the inner compiler. With inner="inductor"
+the backend also hands Inductor a post-grad pass (:mod:`adaptiveload.fxfuse.grad_adds`, chained in
+front of any ``post_grad_custom_post_pass`` already configured) that folds the add of another
+gradient to a norm-site backward op's dx into the op.
 
 What each compile fused: :func:`collect_reports` gathers the :class:`FusionReport` of every backend
 call made inside a ``with`` block, and ``torch._dynamo.utils.counters["adaptiveload"]`` counts
-"graphs" (graphs the rewrite ran on), "seen", "fused" and "skipped" (chains), and "pass_failures".
+"graphs" (graphs the rewrite ran on), "seen", "fused" and "skipped" (chains), "pass_failures", and
+"dx_addends" (adds folded into backward ops by the post-grad pass).
 """
 from __future__ import annotations
 
@@ -128,7 +132,18 @@ def adaptiveload_backend(
         logger.info("norm→modulate fusion is off (%s is set): compiling the graph unchanged", DISABLE_ENV)
     else:
         graph = _fused_copy(gm)
+        if inner == "inductor":  # the adds after the norm-site backward ops, folded into them
+            from adaptiveload.fxfuse.grad_adds import FoldDxAddends
+
+            key = "post_grad_custom_post_pass"
+            inductor_config = {**inductor_config, key: FoldDxAddends(inductor_config.get(key, _inductor_setting(key)))}
     return _compile_inner(inner, graph, example_inputs, mode, inductor_config)
+
+
+def _inductor_setting(key: str) -> Any:
+    import torch._inductor.config
+
+    return getattr(torch._inductor.config, key)
 
 
 def _parse_options(options: dict[str, Any]) -> tuple[bool, str, dict[str, Any]]:

@@ -130,11 +130,16 @@ def check_common(op: str, x: Tensor, params: dict, mods: dict, out_dtype: torch.
             raise ValueError(f"{op}: {describe(name, t)}: {err}") from None
 
 
-def check_backward_common(op: str, x: Tensor, grads: dict, stats: dict, x_name: str = "x") -> None:
+def check_backward_common(op: str, x: Tensor, grads: dict, stats: dict, x_name: str = "x",
+                          dx_addend: Optional[Tensor] = None) -> None:
     """Each of ``grads`` (the incoming gradients, None skipped) floating of x's shape, each of
-    ``stats`` floating with one value per row of x, all on x's device. ``x_name``: what the messages
-    call x. Raises ``ValueError`` naming the offending tensor and its shape."""
-    check_devices(op, x, {**grads, **stats})
+    ``stats`` floating with one value per row of x, ``dx_addend`` None or of x's shape and dtype, all
+    on x's device. ``x_name``: what the messages call x. Raises ``ValueError`` naming the offending
+    tensor and its shape."""
+    check_devices(op, x, {**grads, **stats, "dx_addend": dx_addend})
+    if dx_addend is not None and (dx_addend.shape != x.shape or dx_addend.dtype != x.dtype):
+        raise ValueError(f"{op}: {describe('dx_addend', dx_addend)} must have {x_name}'s shape "
+                         f"{list(x.shape)} and dtype {x.dtype}")
     for name, g in grads.items():
         if g is not None and (g.shape != x.shape or g.dtype not in FLOATING):
             raise ValueError(f"{op}: {describe(name, g)} must be floating point of {x_name}'s shape "

@@ -306,7 +306,7 @@ def test_a_failing_check_inside_a_binding_raises_instead_of_ending_the_process()
             "x = torch.randn(2, 5, 8, device='cuda')\n"
             "calls = [lambda: k.modulation_view(torch.randn(3, 1, 8, device='cuda'), x),\n"
             "         lambda: k.rms_backward(torch.randn(2, 4, 8, device='cuda'), x, None, torch.randn(2, 1, 8, "
-            "device='cuda'), None, torch.ones(2, 5, device='cuda'))]\n"
+            "device='cuda'), None, torch.ones(2, 5, device='cuda'), None)]\n"
             "for call in calls:\n    try:\n        call()\n        print('no error')\n"
             "    except RuntimeError as e:\n        print('raised:', str(e).splitlines()[0])\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)

@@ -198,12 +198,12 @@ def test_cuda_path_reads_no_environment_and_passes_only_the_op_arguments(monkeyp
     kernels = RecordingKernels()
     monkeypatch.setattr(extension, "kernels", lambda: kernels)
     x, w, scale, shift = torch.randn(2, 5, 8), torch.randn(8), torch.randn(2, 1, 8), torch.randn(2, 5, 8)
-    mean, rstd, dy = torch.randn(2, 5), torch.rand(2, 5) + 1, torch.randn(2, 5, 8)
+    mean, rstd, dy, addend = torch.randn(2, 5), torch.rand(2, 5) + 1, torch.randn(2, 5, 8), torch.randn(2, 5, 8)
     calls = [
         ("forward", adaln_op._adaln_modulate_cuda, (x, w, None, scale, shift, EPS, torch.bfloat16)),
-        ("backward", adaln_op._adaln_modulate_backward_cuda, (dy, x, w, None, scale, shift, mean, rstd)),
+        ("backward", adaln_op._adaln_modulate_backward_cuda, (dy, x, w, None, scale, shift, mean, rstd, addend)),
         ("rms_forward", rms_op._rms_norm_modulate_cuda, (x, w, scale, None, EPS, torch.float32)),
-        ("rms_backward", rms_op._rms_norm_modulate_backward_cuda, (dy, x, None, scale, shift, rstd)),
+        ("rms_backward", rms_op._rms_norm_modulate_backward_cuda, (dy, x, None, scale, shift, rstd, None)),
     ]
     environ = CountingEnviron(os.environ)
     monkeypatch.setattr(os, "environ", environ)

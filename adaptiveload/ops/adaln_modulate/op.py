@@ -52,18 +52,20 @@ def check_backward_inputs(
     shift: Optional[Tensor],
     mean: Tensor,
     rstd: Tensor,
+    dx_addend: Optional[Tensor] = None,
 ) -> None:
-    """Validate :func:`adaln_modulate_backward`'s inputs (those of the forward, dy of x's shape and
-    one mean/rstd per row); raise ``ValueError`` naming the offending tensor and its shape."""
+    """Validate :func:`adaln_modulate_backward`'s inputs (those of the forward, dy of x's shape, one
+    mean/rstd per row, dx_addend None or of x's shape and dtype); raise ``ValueError`` naming the
+    offending tensor and its shape."""
     check_inputs(x, weight, bias, scale, shift, x.dtype)
-    common.check_backward_common(f"{_OP}_backward", x, {"dy": dy}, {"mean": mean, "rstd": rstd})
+    common.check_backward_common(f"{_OP}_backward", x, {"dy": dy}, {"mean": mean, "rstd": rstd}, dx_addend=dx_addend)
 
 
 _lib = common.define(
     "adaln_modulate(Tensor x, Tensor? weight, Tensor? bias, Tensor scale, Tensor? shift, float eps, "
     "ScalarType out_dtype) -> (Tensor, Tensor, Tensor)",
     "adaln_modulate_backward(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor scale, Tensor? shift, "
-    "Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "Tensor mean, Tensor rstd, Tensor? dx_addend=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 adaln_modulate = torch.ops.adaptiveload.adaln_modulate
 adaln_modulate_backward = torch.ops.adaptiveload.adaln_modulate_backward
@@ -103,9 +105,13 @@ def _adaln_modulate_fake(x, weight, bias, scale, shift, eps, out_dtype):
     return y, x.new_empty(x.shape[:-1], dtype=stat_dtype), x.new_empty(x.shape[:-1], dtype=stat_dtype)
 
 
-def _adaln_modulate_backward_reference(dy, x, weight, bias, scale, shift, mean, rstd):
+def _adaln_modulate_backward_reference(dy, x, weight, bias, scale, shift, mean, rstd, dx_addend=None):
     """``adaln_modulate_backward`` on CPU (and any device without its own kernel): the gradients of
     ``adaln_modulate`` from dy [*x.shape] and the saved per-row mean/rstd.
+
+    ``dx_addend`` (optional, x's shape and dtype): a gradient that reaches x by another path, added
+    to dx in the compute dtype before dx is rounded to x's dtype (what the backend's post-grad pass,
+    :mod:`adaptiveload.fxfuse.grad_adds`, hands the op in place of an add after it).
 
     Returns ``(dx, dweight, dbias, dscale, dshift)`` in each input's own shape and dtype; the
     gradient of an absent weight/bias/shift is an empty tensor of shape [0].
@@ -114,14 +120,14 @@ def _adaln_modulate_backward_reference(dy, x, weight, bias, scale, shift, mean, 
         ValueError: shapes or dtypes that do not fit (the message names the tensor and its shape).
     """
     if x.is_cuda:  # until the kernels are loaded; then their own CUDA registration serves it
-        return _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd)
-    common.validate(check_backward_inputs, (dy, x, weight, bias, scale, shift, mean, rstd))
-    return common.grads_or_empty(reference.backward(dy, x, weight, bias, scale, shift, mean, rstd), x)
+        return _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd, dx_addend)
+    common.validate(check_backward_inputs, (dy, x, weight, bias, scale, shift, mean, rstd, dx_addend))
+    return common.grads_or_empty(reference.backward(dy, x, weight, bias, scale, shift, mean, rstd, dx_addend), x)
 
 
 @torch.library.register_fake("adaptiveload::adaln_modulate_backward", lib=_lib)
-def _adaln_modulate_backward_fake(dy, x, weight, bias, scale, shift, mean, rstd):
-    check_backward_inputs(dy, x, weight, bias, scale, shift, mean, rstd)
+def _adaln_modulate_backward_fake(dy, x, weight, bias, scale, shift, mean, rstd, dx_addend=None):
+    check_backward_inputs(dy, x, weight, bias, scale, shift, mean, rstd, dx_addend)
     return tuple(common.empty_like_contiguous(t, x) for t in (x, weight, bias, scale, shift))
 
 
@@ -137,10 +143,10 @@ def _kernels_take(x, weight, bias, scale, shift, out_dtype, eps) -> bool:
     return common.kernels_apply(x, (weight, bias), (scale, shift))
 
 
-def _kernels_take_backward(dy, x, weight, bias, scale, shift, mean, rstd) -> bool:
+def _kernels_take_backward(dy, x, weight, bias, scale, shift, mean, rstd, dx_addend) -> bool:
     """:func:`check_backward_inputs`, then whether the CUDA kernels take these inputs."""
-    check_backward_inputs(dy, x, weight, bias, scale, shift, mean, rstd)
-    return common.kernels_apply(x, (weight, bias), (scale, shift), (mean, dy))
+    check_backward_inputs(dy, x, weight, bias, scale, shift, mean, rstd, dx_addend)
+    return common.kernels_apply(x, (weight, bias), (scale, shift), (mean, dy, dx_addend))
 
 
 def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
@@ -150,11 +156,11 @@ def _adaln_modulate_cuda(x, weight, bias, scale, shift, eps, out_dtype):
     return ops.forward(x, weight, bias, scale, shift, eps, out_dtype)
 
 
-def _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd):
-    ops = common.cuda_kernels(_kernels_take_backward, (dy, x, weight, bias, scale, shift, mean, rstd))
+def _adaln_modulate_backward_cuda(dy, x, weight, bias, scale, shift, mean, rstd, dx_addend=None):
+    ops = common.cuda_kernels(_kernels_take_backward, (dy, x, weight, bias, scale, shift, mean, rstd, dx_addend))
     if ops is None:
-        return common.grads_or_empty(reference.backward(dy, x, weight, bias, scale, shift, mean, rstd), x)
-    return ops.backward(dy, x, weight, bias, scale, shift, mean, rstd)
+        return common.grads_or_empty(reference.backward(dy, x, weight, bias, scale, shift, mean, rstd, dx_addend), x)
+    return ops.backward(dy, x, weight, bias, scale, shift, mean, rstd, dx_addend)
 
 
 extension.CUDA_PATHS.update({"adaln_modulate": _adaln_modulate_cuda,

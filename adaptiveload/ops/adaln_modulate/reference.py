@@ -94,8 +94,10 @@ def backward(
     shift: Optional[Tensor],
     mean: Tensor,
     rstd: Tensor,
+    dx_addend: Optional[Tensor] = None,
 ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor, Optional[Tensor]]:
-    """Reference backward from the saved per-row ``mean``/``rstd``.
+    """Reference backward from the saved per-row ``mean``/``rstd``; ``dx_addend`` (x's shape), if
+    given, is added to dx in the compute dtype before dx is rounded to x's dtype.
 
     Returns ``(dx, dweight, dbias, dscale, dshift)``, each in its input's own shape and dtype and
     contiguous, whatever the strides of ``dy``, ``x`` or the modulation (the fake kernel promises
@@ -104,4 +106,6 @@ def backward(
     """
     ct = compute_dtype(x, weight, bias, scale, shift)
     dx, *rest = grads(dy.to(ct), x.to(ct), weight, bias, scale, shift, mean, rstd)
+    if dx_addend is not None:
+        dx = dx + dx_addend.to(ct)
     return (output(dx, x.dtype), *rest)

@@ -50,18 +50,20 @@ def check_backward_inputs(
     scale: Tensor,
     shift: Optional[Tensor],
     rstd: Tensor,
+    dx_addend: Optional[Tensor] = None,
 ) -> None:
-    """Validate :func:`rms_norm_modulate_backward`'s inputs (those of the forward, dy of x's shape
-    and one rstd per row); raise ``ValueError`` naming the offending tensor and its shape."""
+    """Validate :func:`rms_norm_modulate_backward`'s inputs (those of the forward, dy of x's shape,
+    one rstd per row, dx_addend None or of x's shape and dtype); raise ``ValueError`` naming the
+    offending tensor and its shape."""
     check_inputs(x, weight, scale, shift, x.dtype)
-    common.check_backward_common(f"{_OP}_backward", x, {"dy": dy}, {"rstd": rstd})
+    common.check_backward_common(f"{_OP}_backward", x, {"dy": dy}, {"rstd": rstd}, dx_addend=dx_addend)
 
 
 _lib = common.define(
     "rms_norm_modulate(Tensor x, Tensor? weight, Tensor scale, Tensor? shift, float eps, ScalarType out_dtype) "
     "-> (Tensor, Tensor)",
-    "rms_norm_modulate_backward(Tensor dy, Tensor x, Tensor? weight, Tensor scale, Tensor? shift, Tensor rstd) "
-    "-> (Tensor, Tensor, Tensor, Tensor)",
+    "rms_norm_modulate_backward(Tensor dy, Tensor x, Tensor? weight, Tensor scale, Tensor? shift, Tensor rstd, "
+    "Tensor? dx_addend=None) -> (Tensor, Tensor, Tensor, Tensor)",
 )
 rms_norm_modulate = torch.ops.adaptiveload.rms_norm_modulate
 rms_norm_modulate_backward = torch.ops.adaptiveload.rms_norm_modulate_backward
@@ -101,9 +103,13 @@ def _rms_norm_modulate_fake(x, weight, scale, shift, eps, out_dtype):
     return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:-1], dtype=stat_dtype)
 
 
-def _rms_norm_modulate_backward_reference(dy, x, weight, scale, shift, rstd):
+def _rms_norm_modulate_backward_reference(dy, x, weight, scale, shift, rstd, dx_addend=None):
     """``rms_norm_modulate_backward`` on CPU (and any device without its own kernel): the gradients
     of ``rms_norm_modulate`` from dy [*x.shape] and the saved per-row rstd.
+
+    ``dx_addend`` (optional, x's shape and dtype): a gradient that reaches x by another path, added
+    to dx in the compute dtype before dx is rounded to x's dtype (what the backend's post-grad pass,
+    :mod:`adaptiveload.fxfuse.grad_adds`, hands the op in place of an add after it).
 
     Returns ``(dx, dweight, dscale, dshift)`` in each input's own shape and dtype; the gradient of
     an absent weight/shift is an empty tensor of shape [0].
@@ -112,14 +118,14 @@ def _rms_norm_modulate_backward_reference(dy, x, weight, scale, shift, rstd):
         ValueError: shapes or dtypes that do not fit (the message names the tensor and its shape).
     """
     if x.is_cuda:  # until the kernels are loaded; then their own CUDA registration serves it
-        return _rms_norm_modulate_backward_cuda(dy, x, weight, scale, shift, rstd)
-    common.validate(check_backward_inputs, (dy, x, weight, scale, shift, rstd))
-    return common.grads_or_empty(reference.backward(dy, x, weight, scale, shift, rstd), x)
+        return _rms_norm_modulate_backward_cuda(dy, x, weight, scale, shift, rstd, dx_addend)
+    common.validate(check_backward_inputs, (dy, x, weight, scale, shift, rstd, dx_addend))
+    return common.grads_or_empty(reference.backward(dy, x, weight, scale, shift, rstd, dx_addend), x)
 
 
 @torch.library.register_fake("adaptiveload::rms_norm_modulate_backward", lib=_lib)
-def _rms_norm_modulate_backward_fake(dy, x, weight, scale, shift, rstd):
-    check_backward_inputs(dy, x, weight, scale, shift, rstd)
+def _rms_norm_modulate_backward_fake(dy, x, weight, scale, shift, rstd, dx_addend=None):
+    check_backward_inputs(dy, x, weight, scale, shift, rstd, dx_addend)
     return tuple(common.empty_like_contiguous(t, x) for t in (x, weight, scale, shift))
 
 
@@ -135,10 +141,10 @@ def _kernels_take(x, weight, scale, shift, out_dtype, eps) -> bool:
     return common.kernels_apply(x, (weight,), (scale, shift))
 
 
-def _kernels_take_backward(dy, x, weight, scale, shift, rstd) -> bool:
+def _kernels_take_backward(dy, x, weight, scale, shift, rstd, dx_addend) -> bool:
     """:func:`check_backward_inputs`, then whether the CUDA kernels take these inputs."""
-    check_backward_inputs(dy, x, weight, scale, shift, rstd)
-    return common.kernels_apply(x, (weight,), (scale, shift), (rstd, dy))
+    check_backward_inputs(dy, x, weight, scale, shift, rstd, dx_addend)
+    return common.kernels_apply(x, (weight,), (scale, shift), (rstd, dy, dx_addend))
 
 
 def _rms_norm_modulate_cuda(x, weight, scale, shift, eps, out_dtype):
@@ -148,11 +154,11 @@ def _rms_norm_modulate_cuda(x, weight, scale, shift, eps, out_dtype):
     return ops.rms_forward(x, weight, scale, shift, eps, out_dtype)
 
 
-def _rms_norm_modulate_backward_cuda(dy, x, weight, scale, shift, rstd):
-    ops = common.cuda_kernels(_kernels_take_backward, (dy, x, weight, scale, shift, rstd))
+def _rms_norm_modulate_backward_cuda(dy, x, weight, scale, shift, rstd, dx_addend=None):
+    ops = common.cuda_kernels(_kernels_take_backward, (dy, x, weight, scale, shift, rstd, dx_addend))
     if ops is None:
-        return common.grads_or_empty(reference.backward(dy, x, weight, scale, shift, rstd), x)
-    return ops.rms_backward(dy, x, weight, scale, shift, rstd)
+        return common.grads_or_empty(reference.backward(dy, x, weight, scale, shift, rstd, dx_addend), x)
+    return ops.rms_backward(dy, x, weight, scale, shift, rstd, dx_addend)
 
 
 extension.CUDA_PATHS.update({"rms_norm_modulate": _rms_norm_modulate_cuda,

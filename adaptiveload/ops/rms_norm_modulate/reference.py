@@ -78,8 +78,10 @@ def backward(
     scale: Tensor,
     shift: Optional[Tensor],
     rstd: Tensor,
+    dx_addend: Optional[Tensor] = None,
 ) -> tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]:
-    """Reference backward from the saved per-row ``rstd``.
+    """Reference backward from the saved per-row ``rstd``; ``dx_addend`` (x's shape), if given, is
+    added to dx in the compute dtype before dx is rounded to x's dtype.
 
     Returns ``(dx, dweight, dscale, dshift)``, each in its input's own shape and dtype and
     contiguous, whatever the strides of ``dy``, ``x`` or the modulation; modulation gradients are
@@ -87,4 +89,6 @@ def backward(
     """
     ct = compute_dtype(x, weight, scale, shift)
     dx, *rest = grads(dy.to(ct), x.to(ct), weight, scale, shift, rstd)
+    if dx_addend is not None:
+        dx = dx + dx_addend.to(ct)
     return (output(dx, x.dtype), *rest)
