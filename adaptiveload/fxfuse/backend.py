@@ -27,8 +27,13 @@ gradient to a norm-site backward op's dx into the op.
 
 What each compile fused: :func:`collect_reports` gathers the :class:`FusionReport` of every backend
 call made inside a ``with`` block, and ``torch._dynamo.utils.counters["adaptiveload"]`` counts
-"graphs" (graphs the rewrite ran on), "seen", "fused" and "skipped" (chains), "pass_failures", and
-"dx_addends" (adds folded into backward ops by the post-grad pass).
+"graphs" (graphs the rewrite ran on); "seen" (chains a pattern matched), "fused" (chains rewritten
+into an op), "skipped" (matched but left alone, each with a reason in the report) and "deferred"
+(matched by a pattern that hands its rejects to the next one, e.g. the residual norm site to the
+plain one), in total and per pattern as "<pattern>.seen" etc. (:mod:`adaptiveload.fxfuse.registry`);
+"pass_failures"; and "dx_addends", the adds folded into backward ops by the post-grad pass, counted
+when Inductor compiles a graph: a graph served from Inductor's FX graph cache (on by default, on
+disk across processes) runs no pass and adds nothing, though its code has the folds.
 """
 from __future__ import annotations
 
