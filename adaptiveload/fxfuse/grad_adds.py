@@ -50,9 +50,10 @@ COUNTER = "dx_addends"  # torch._dynamo.utils.counters["adaptiveload"][COUNTER]:
 
 def fold_dx_addends(graph: torch.fx.Graph) -> int:
     """Fold every add after a backward op of :data:`FOLDABLE` that the module doc allows into the op's
-    ``dx_addend``; return how many were folded. The graph is changed in place and left in
-    topological order; its nodes need ``meta["val"]`` (fake tensors), as Inductor's post-grad graphs
-    and AOTAutograd's graphs have; adds without them are left alone."""
+    ``dx_addend``; return how many were folded. The graph is changed in place and kept in
+    topological order (re-sorted after a fold whose addend came after the op); its nodes need
+    ``meta["val"]`` (fake tensors), as Inductor's post-grad graphs and AOTAutograd's graphs have;
+    adds without them are left alone."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     folded = 0
     for add in list(graph.nodes):
@@ -65,9 +66,11 @@ def fold_dx_addends(graph: torch.fx.Graph) -> int:
                 add.replace_all_uses_with(dx)
                 graph.erase_node(add)
                 folded += 1
+                if order[other] > order[op]:  # the op now reads t, which comes after it: sort again, so
+                    stable_topological_sort(graph)  # that _depends_on may stop at earlier nodes
+                    order = {node: i for i, node in enumerate(graph.nodes)}
                 break
     if folded:
-        stable_topological_sort(graph)  # the op now reads t, which may come after it
         graph.lint()
         torch._dynamo.utils.counters["adaptiveload"][COUNTER] += folded
     return folded

@@ -72,6 +72,21 @@ def test_rms_norm_op_and_an_addend_computed_after_the_op():
     torch.testing.assert_close(gm(dy, x, scale, rstd, t), fn(dy, x, scale, rstd, t), rtol=1e-6, atol=1e-6)
 
 
+def test_no_cycle_through_an_earlier_fold():
+    """Op A's addend is computed from op B's outputs and B's from A's: folding both would make a cycle
+    (A reads B's result, B reads A's), so only the first is folded, and the graph still runs."""
+    def fn(dy, x, scale, mean, rstd, t):
+        ga = _dx(dy, x, scale, mean, rstd)
+        gb = _dx(dy * 2, x, scale, mean, rstd)
+        return ga[0] + gb[3] * x, gb[0] + ga[3] * t
+
+    args = _inputs()
+    n, gm = _fold(fn, *args)
+    assert n == 1
+    for got, want in zip(gm(*args), fn(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("case", ["dx-used-twice", "broadcast", "other-dtype", "alpha", "not-dx",
                                   "depends-on-the-op", "addend-already"])
 def test_must_not_fold(case):
