@@ -8,13 +8,15 @@ the first residual (``x + gate·attn``), so the backward graph holds
 
 and Inductor computes the add in a pointwise kernel of its own: it reads dx and the other gradient
 and writes the sum. The norm-site backward ops take that other gradient as ``dx_addend`` and add it
-to dx in float32 before rounding dx once to x's dtype (one rounding fewer than the add after the
-op: the results agree within one unit in the last place), so the pass rewrites the graph into
+to dx (the CUDA per-sample ring kernel in float32 before rounding dx once to x's dtype, one rounding
+fewer than the add after the op, so the results agree within one unit in the last place; the other
+CUDA paths after their kernels, as the add did), so the pass rewrites the graph into
 
     getitem(adaln_modulate_backward(..., dx_addend=t), 0)
 
-which saves a launch and two x-sized moves a site (the add read dx and t and wrote the sum; the op
-reads t). It runs as Inductor's ``post_grad_custom_post_pass`` on the graphs that the backend's
+which saves a launch and two x-sized moves a site where the add was a kernel of its own (it read dx
+and t and wrote the sum; the op reads t; measured in docs/kernels.md, "The gradient added to dx,
+folded into the backward op"). It runs as Inductor's ``post_grad_custom_post_pass`` on the graphs that the backend's
 inner Inductor compiles (forward and backward; only backward graphs hold these ops), after
 Inductor's own post-grad passes.
 
