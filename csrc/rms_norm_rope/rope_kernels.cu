@@ -194,11 +194,13 @@ __device__ __forceinline__ void add_partial(float* dw, int col, int D, bool alig
 // rows' dn * x_hat into its own row of dweight partials in shared memory (dynamic, blockDim.y * D
 // floats where a dweight is wanted), at the columns its thread owns, so no two threads touch one
 // element and the sums need no atomics; the block then adds its rows' partials in order into its row of
-// a.totals. dn (and g = dn * w) is formed twice, before and after the row's reduction, from the raw x
-// and dy kept in registers, instead of keeping it: fewer registers.
+// a.totals. With several groups a thread, dn (and g = dn * w) is formed twice, before and after the
+// row's reduction, from the raw x and dy kept in registers, instead of keeping it: fewer registers.
+// With one group a thread g and x_hat are kept (64 registers, no spill), so nothing is formed twice.
 template <typename Tx, typename DyRows, int VEC, int C, bool kShared>
 __global__ void __launch_bounds__(kRopeThreads, 2) rope_backward_kernel(RopeArgs a) {
   constexpr int kSets = kShared ? 1 : C;
+  constexpr bool kKeep = C == 1;  // one group a thread: g and h kept, not formed again after the reduction
   extern __shared__ float4 dw_smem[];
   __shared__ float red[2 * kRopeRows * 32];
   const int tid = threadIdx.x, threads = blockDim.x, D = a.D;
@@ -231,13 +233,17 @@ __global__ void __launch_bounds__(kRopeThreads, 2) rope_backward_kernel(RopeArgs
     row_bn(a, r0, b, n);
     const RowAngles<VEC, kSets> r(a, b, n, threads, tid, start);
     float dot = 0.f;
+    float gk[VEC], hk[VEC];  // (kKeep: the one group's g and h, kept across the reduction)
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int col = (c * threads + tid) * VEC, k = kShared ? 0 : c;
       float g[VEC], h[VEC], p[VEC];
       rope_grads<Tx, DyRows, VEC>(a, xr[c], dyr[c], r.c[k], r.s[k], rstd, col, g, h, p);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) dot += g[j] * h[j];
+      for (int j = 0; j < VEC; ++j) {
+        dot += g[j] * h[j];
+        if constexpr (kKeep) gk[j] = g[j], hk[j] = h[j];
+      }
       if (dw && col < D) add_partial<VEC>(dw, col, D, a.aligned, p);
     }
     const float m = row_sum(dot, red, parity) / D;
@@ -248,7 +254,12 @@ __global__ void __launch_bounds__(kRopeThreads, 2) rope_backward_kernel(RopeArgs
       const int col = (c * threads + tid) * VEC;
       if (col >= D) continue;
       float g[VEC], h[VEC], p[VEC];
-      rope_grads<Tx, DyRows, VEC>(a, xr[c], dyr[c], r.c[kShared ? 0 : c], r.s[kShared ? 0 : c], rstd, col, g, h, p);
+      if constexpr (kKeep) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) g[j] = gk[j], h[j] = hk[j];
+      } else {
+        rope_grads<Tx, DyRows, VEC>(a, xr[c], dyr[c], r.c[kShared ? 0 : c], r.s[kShared ? 0 : c], rstd, col, g, h, p);
+      }
 #pragma unroll
       for (int j = 0; j < VEC; ++j) g[j] = rstd * (g[j] - h[j] * m);
       store_any<VEC>(dxrow, a.dxt, col, D, a.aligned, g);
