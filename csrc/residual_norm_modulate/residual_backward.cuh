@@ -21,9 +21,10 @@
 // registers, written once per block. dr and y are issued before the reduction at one chunk a thread,
 // after it at more (fewer registers held across the barrier); a per-token gate row after it. dout,
 // dr, y, dx and dy are read and written as IO says (TypedRows<Tr> when all have r's dtype, else
-// AnyRows). STG (typed, aligned rows, sm_80+): r, dout, dr and y come through the per-thread staging
-// ring (RowStage), a.stages rows ahead, and dr and y are read from it after the reduction at any chunk
-// count; else each row is loaded when its turn comes.
+// AnyRows). STG (typed, aligned rows, sm_80+): r, dout, dr, y and a per-token gate of r's dtype come
+// through the per-thread staging ring (RowStage; res_bwd_staged), a.stages rows ahead, and dr, y and
+// the gate are read from it after the reduction at any chunk count; else each row is loaded when its
+// turn comes (a per-token gate of another dtype too).
 // Segmented layout (SEG, the staged one-pass kernel with per-sample rows; ResBwdArgs::seg, Segments):
 // a pack as one sequence, the gate and modulation rows per segment. With ids that never decrease, a
 // tile is cut where the segment changes and each part's partials go to their own workspace piece
@@ -45,14 +46,27 @@ __device__ __forceinline__ float res_dr_total(float g, float xh, float rstd, flo
   return __fadd_rn(__fmul_rn(rstd, __fsub_rn(__fsub_rn(g, mg), __fmul_rn(xh, mgx))), dr);
 }
 
-// The row tensors of the backward's staging ring, in slot order.
+// The row tensors of the backward's staging ring, in slot order (room for all four in every slot).
 enum ResBwdStaged : int { kStR = 0, kStDout = 1, kStDr = 2, kStY = 3, kStCount = 4 };
+// Whether the backward stages a per-token gate's rows too (the kernels' GST instances): those of r's
+// dtype (tr), without a per-token scale, in a ring of their own after the row tensors' slots (one row
+// a slot). Else such a row is loaded at use, after the row's reduction.
+__host__ __device__ inline bool res_bwd_stages_gate(const ResBwdArgs& a, DType tr) {
+  return a.gate.ptr != nullptr && a.gate.sn != 0 && a.gate.t == tr && !(a.scale.ptr && a.scale.sn != 0);
+}
+// The rows a slot of the staging ring takes: the four row tensors (room for dr and y kept where a call
+// has none: a plain residual's backward read 1-3 points of speed-of-light slower with 3-row slots,
+// benchmarks/KERNEL_NOTES.md), and a per-token gate's row where staged.
+__host__ __device__ inline int res_bwd_staged(const ResBwdArgs& a, DType tr) {
+  return kStCount + (res_bwd_stages_gate(a, tr) ? 1 : 0);
+}
 
 // The row kernels' body (res_bwd_row_kernel, and res_bwd_wide_kernel below, which differ only in their
 // launch bound).
-template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3, bool STG, bool SEG>
+template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3, bool STG, bool SEG, bool GST>
 __device__ __forceinline__ void res_bwd_rows(const ResBwdArgs& a) {
   static_assert(!SEG || (STG && !SPT && ACC), "the segmented layout takes the staged one-pass kernel, per-sample rows");
+  static_assert(!GST || (STG && !SEG && !SPT && !P3), "a per-token gate is staged by the staged per-sample kernels");
   constexpr bool RMS = N == Norm::RMS;
   constexpr int NS = RMS ? 1 : 2;  // row sums: [sum g,] sum g * r_hat
   constexpr int VEC = kResVec;
@@ -124,14 +138,19 @@ __device__ __forceinline__ void res_bwd_rows(const ResBwdArgs& a) {
   }
 
   // the staging ring (STG) after the coefficient rows: rows n0 .. n0 + S - 2 issued up front
-  const RowStage<Tr, kStCount, C> stage{reinterpret_cast<uint4*>(coef_smem + 3 * arr), T, tid};
   const int S = STG ? a.stages : 1;
+  const RowStage<Tr, kStCount, C> stage{reinterpret_cast<uint4*>(coef_smem + 3 * arr), T, tid};
+  // a per-token gate of r's dtype (GST: res_bwd_stages_gate): its rows in a ring of S rows after the
+  // row tensors' S slots (an instance of its own: the others keep their registers)
+  constexpr int kSlotWords = kStCount * C * RowStage<Tr, kStCount, C>::kWords;  // (a thread's 16-byte words a slot)
+  const RowStage<Tr, 1, C> gate_stage{reinterpret_cast<uint4*>(coef_smem + 3 * arr) + S * kSlotWords * T, T, tid};
   auto stage_row = [&](int64_t n, int slot) {
     const int64_t o = (b * a.N + n) * static_cast<int64_t>(D);
     stage.copy(slot, kStR, rp + o, D);
     stage.copy(slot, kStDout, static_cast<const Tr*>(a.dout) + o, D);
     if (a.dr) stage.copy(slot, kStDr, static_cast<const Tr*>(a.dr) + o, D);
     if (has_gate) stage.copy(slot, kStY, static_cast<const Tr*>(a.y) + o, D);
+    if constexpr (GST) gate_stage.copy(slot, 0, static_cast<const Tr*>(mod_row(a.gate, b, n)), D);
   };
   if constexpr (STG) {
     for (int i = 0; i < S - 1; ++i) {
@@ -255,8 +274,16 @@ __device__ __forceinline__ void res_bwd_rows(const ResBwdArgs& a) {
       IO::template store<VEC>(IO::at(a.dx, a.dxt, off), a.dxt, col, D, al, tot);
       if (has_gate) {
         float gv[VEC], yf[VEC], o[VEC];
-        if (gpt) load_any_f<VEC>(mod_row(a.gate, b, n), a.gate.t, col, D, al, gv);
-        else gate_row.load(c, gv);
+        if constexpr (GST) {
+          Raw<Tr, VEC> graw;
+          gate_stage.read_chunk(slot, 0, c, graw);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) gv[j] = to_f<Tr>(graw.v[j]);
+        } else if (gpt) {
+          load_any_f<VEC>(mod_row(a.gate, b, n), a.gate.t, col, D, al, gv);
+        } else {
+          gate_row.load(c, gv);
+        }
 #pragma unroll
         for (int j = 0; j < VEC; ++j) o[j] = __fmul_rn(gv[j], tot[j]);
         IO::template store<VEC>(IO::at(a.dy, a.yt, off), a.yt, col, D, al, o);
@@ -281,9 +308,10 @@ __device__ __forceinline__ void res_bwd_rows(const ResBwdArgs& a) {
   }
 }
 
-template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3, bool STG = false, bool SEG = false>
+template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3, bool STG = false, bool SEG = false,
+          bool GST = false>
 __global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdArgs a) {
-  res_bwd_rows<N, Tr, C, IO, SPT, ACC, P3, STG, SEG>(a);
+  res_bwd_rows<N, Tr, C, IO, SPT, ACC, P3, STG, SEG, GST>(a);
 }
 
 // Rows of kMaxThreads * kResVec < D <= kResWideThreads * kResVec elements (D = 5120 in 16-bit or fp32):
@@ -292,9 +320,9 @@ __global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdAr
 // 8 elements of each row tensor and of each partial-sum plane a thread: 128 registers (the cap of
 // kMaxThreads) with spills, one 320-thread block (10 warps) a SM; one chunk on 640 threads is 20
 // warps, its registers capped by this launch bound at 65536 / 640 (ptxas, sm_90: benchmarks/KERNEL_NOTES.md).
-template <Norm N, typename Tr, bool P3>
+template <Norm N, typename Tr, bool P3, bool GST = false>
 __global__ void __launch_bounds__(kResWideThreads) res_bwd_wide_kernel(const ResBwdArgs a) {
-  res_bwd_rows<N, Tr, 1, TypedRows<Tr>, false, true, P3, true, false>(a);
+  res_bwd_rows<N, Tr, 1, TypedRows<Tr>, false, true, P3, true, false, GST>(a);
 }
 
 // Two-kernel design's column kernel: grid (ceil(D / 32), tiles, B), block (32, 8); thread (tx, ty)
@@ -443,8 +471,10 @@ template <Norm N, typename Tr, typename F>
 void res_bwd_row_kernel_for(const ResBwdArgs& a, bool staged, const F& f) {
   const bool one_pass = a.columns() && !a.two_kernel;
   const bool spt = a.scale.ptr && a.scale.sn != 0, p3 = a.dgate_rows != nullptr;
+  const bool gst = staged && res_bwd_stages_gate(a, dtype_of<Tr>());  // (GST: a per-token gate staged)
   if (a.threads > kMaxThreads) {  // the wide one-chunk kernel (res_bwd_wide_shape; planned only where it runs)
     if (p3) return f(res_bwd_wide_kernel<N, Tr, true>);
+    if (gst) return f(res_bwd_wide_kernel<N, Tr, false, true>);
     return f(res_bwd_wide_kernel<N, Tr, false>);
   }
   auto by_io = [&](auto io) {
@@ -465,6 +495,7 @@ void res_bwd_row_kernel_for(const ResBwdArgs& a, bool staged, const F& f) {
             if (spt && p3) f(res_bwd_row_kernel<N, Tr, kC, IO, true, true, true, kS>);
             else if (spt) f(res_bwd_row_kernel<N, Tr, kC, IO, true, true, false, kS>);
             else if (p3) f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, true, kS>);
+            else if (gst) f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, false, kS, false, kS>);  // (GST: staged only)
             else f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, false, kS>);
           };
           if constexpr (kTyped) {
@@ -495,7 +526,7 @@ void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
       int stages = 0;
       if (eligible) {
         const size_t coef = res_bwd_smem(a.threads, a.chunks);
-        const size_t slot = res_stage_slot_bytes(kStCount, a.chunks, a.threads, sizeof(Tr));
+        const size_t slot = res_stage_slot_bytes(res_bwd_staged(a, dtype_of<Tr>()), a.chunks, a.threads, sizeof(Tr));
         res_bwd_row_kernel_for<N, Tr>(a, true, [&](auto kernel) {
           stages = ring_stages(requested, true, coef, slot, kResStageBytes, reinterpret_cast<const void*>(kernel), 80);
         });
@@ -509,7 +540,7 @@ void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
     int stages = 0;
     if (wide.threads > 0 && !spt && !a.seg.on() && !a.two_kernel) stages = plan_shape(wide);
     if (stages == 0) stages = plan_shape(res_row_shape(a.D, a.max_threads));
-    const size_t slot = res_stage_slot_bytes(kStCount, a.chunks, a.threads, sizeof(Tr));
+    const size_t slot = res_stage_slot_bytes(res_bwd_staged(a, dtype_of<Tr>()), a.chunks, a.threads, sizeof(Tr));
     a.stages = stages;
     if (a.seg.on() && (a.stages == 0 || (a.scale.ptr && a.scale.sn != 0))) {  // the staged kernel or nothing
       a.stages = 0;
@@ -530,7 +561,7 @@ void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
     }
   }
   const size_t smem = res_bwd_smem(a.threads, a.chunks, a.stages,
-                                   res_stage_slot_bytes(kStCount, a.chunks, a.threads, sizeof(Tr)));
+                                   res_stage_slot_bytes(res_bwd_staged(a, dtype_of<Tr>()), a.chunks, a.threads, sizeof(Tr)));
   res_bwd_row_kernel_for<N, Tr>(a, a.stages > 0, [&](auto kernel) {
     kernel<<<static_cast<unsigned>(a.B * a.tiles), a.threads, smem, stream>>>(a);
   });

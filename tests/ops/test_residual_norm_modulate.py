@@ -643,6 +643,44 @@ def test_kernels_per_token_rows_of_r_dtype_through_the_forward_ring(kernels, nor
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("norm", sorted(OPS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gate_layout, x_shape, cap", [
+    ("per-token", (2, 300, 1536), "auto"),  # one chunk a thread (bench_residual's per-token-gate at D = 1536)
+    ("strided-per-token", (1, 77, 3072), "auto"),  # a .chunk() view, two chunks a thread
+    ("per-token", (1, 40, 5120), 512),  # two chunks a thread under a cap
+    ("per-token", (1, 40, 5120), "auto"),  # the wide one-chunk kernel, 640 threads
+])
+def test_kernels_per_token_gate_of_r_dtype_through_the_backward_ring(kernels, norm, dtype, gate_layout, x_shape, cap):
+    """A per-token gate in r's dtype comes through the backward's staging ring with r, dout, dr and y
+    (res_bwd_stages_gate; its own kernel instances): dx, dy and the per-element dgate bit for bit at 2,
+    3 and 8 slots and the kernels' own choice, as loading every row at use (stages 0) where that runs the
+    same kernel shape (not the wide kernel, whose unstaged fallback is the two-chunk one: there against
+    2 slots), the column sums within rounding; and every gradient against float64."""
+    v = make_inputs(norm, x_shape, dtype, gate_layout, "scale+shift", "strided-per-sample", "per-sample", True, seed=7,
+                    device="cuda")
+    assert v["gate"].dtype == dtype and v["gate"].stride()[-2] != 0  # (a per-token gate of r's dtype)
+    gen = torch.Generator().manual_seed(8)
+    dout, dr = (torch.randn(x_shape, generator=gen).to(dtype).cuda() for _ in range(2))
+    r, out, *stats = call(norm, v, dtype, dtype)
+    args = _backward_args(norm, v, dout, dr, r, stats)
+    wide = x_shape[-1] == 5120 and cap == "auto"
+    with _tuning.override(bwd_stages=2 if wide else 0, max_threads=cap):
+        base = BACKWARDS[norm](*args)
+    for stages in (2, 3, 8, "auto"):
+        with _tuning.override(bwd_stages=stages, max_threads=cap):
+            got = BACKWARDS[norm](*args)
+        for i, (a, b) in enumerate(zip(base, got)):
+            if i < 3:  # dx, dy, dgate: per element
+                assert torch.equal(a, b), f"stages {stages}: backward output {i} differs from {'2 slots' if wide else 'loads at use'}"
+            elif a is not None and a.numel():
+                assert_rel(b, a, 1e-2, f"stages {stages}: output {i}")
+    with _tuning.override(max_threads=cap):
+        check_against_float64(norm, x_shape, dtype, gate_layout, "scale+shift", "strided-per-sample", "per-sample", True,
+                              seed=7, device="cuda")
+
+
+@pytest.mark.cuda
 def test_kernels_hand_bad_inputs_and_float64_to_the_python_path(kernels):
     """Through the C++ dispatcher kernels: a bad input raises the Python path's ValueError naming the
     tensor; float64 runs the reference (float64 statistics); the kernels still run afterwards."""
