@@ -200,7 +200,9 @@ def _good():
     [
         (dict(scale=torch.randn(2, 1, 7)), r"scale \(shape \[2, 1, 7\].* does not broadcast over x of shape \[2, 5"),
         (dict(scale=torch.randn(3, 1, 8)), r"scale \(shape \[3, 1, 8\].*\(its batch 3 is neither 1 nor x's batch 2\): expected \[B, 1, \.\.\., 1, D\]"),
-        (dict(scale=torch.randn(2, 8)), r"scale \(shape \[2, 8\].*not a supported modulation layout"),
+        (dict(scale=torch.randn(2, 8)),
+         r"scale \(shape \[2, 8\].*not a supported modulation layout.*\[D\] \(shared\); rows of a pack, one a sample "
+         r"\(\[n, D\]\), take segment_ids="),
         (dict(shift=torch.randn(2, 4, 8)), r"shift \(shape \[2, 4, 8\]"),
         (dict(x=torch.randn(2, 5, 9)), r"scale \(shape \[2, 1, 8\].*x of shape \[2, 5, 9\]"),  # wrong D
         (dict(weight=torch.ones(9)), r"weight \(shape \[9\].*must have shape \[8\]"),

@@ -59,7 +59,8 @@ def modulation_layout(mod_shape, x_shape) -> str:
     Raises:
         ValueError: the modulation does not broadcast to ``x_shape`` in one of those three ways
             (wrong last dim, more dims than x, a batch dim other than 1 or B, or middle dims that
-            are neither all 1 nor all equal to x's).
+            are neither all 1 nor all equal to x's). A 2-D table over x of 3+ dims gets a pointer to
+            ``segment_ids`` in the message (rows of a pack, one a sample).
     """
     mod_shape, x_shape = list(mod_shape), list(x_shape)
     if len(mod_shape) > len(x_shape) or len(mod_shape) == 0 or mod_shape[-1] != x_shape[-1]:
@@ -78,10 +79,13 @@ def modulation_layout(mod_shape, x_shape) -> str:
             return PER_TOKEN
     why = (f" (its batch {batch} is neither 1 nor x's batch {x_shape[0]})" if batch not in (1, x_shape[0])
            else "")
+    # a [n, D] table over x of 3+ dims: one row per packed sample, which only segment_ids can place
+    pack = ("; rows of a pack, one a sample ([n, D]), take segment_ids= (adaptiveload.functional)"
+            if len(mod_shape) == 2 and len(x_shape) > 2 and mod_shape[0] != 1 else "")
     raise ValueError(
         f"shape {mod_shape} is not a supported modulation layout for x of shape {x_shape}{why}: expected "
         f"[B, 1, ..., 1, D] (per-sample), [B or 1, {', '.join(map(str, x_middle)) or 'N'}, D] (per-token) "
-        f"or [D] (shared)"
+        f"or [D] (shared){pack}"
     )
 
 
