@@ -115,7 +115,8 @@ struct BwdArgs {
   void* dx = nullptr;    // [B, N, D], dtype xt
   // [B, N, D], dtype xt, contiguous and aligned, or none: added to dx by the per-sample ring kernel
   // (the gradient that reaches x by another path, which the backend's post-grad pass hands the op
-  // instead of an add after it); set by the host after backward_plan, where that kernel runs
+  // instead of an add after it); set by the host before backward_plan (the row widens the ring's
+  // slots) and cleared where the plan takes no ring, so only that kernel reads it
   const void* dx_addend = nullptr;
   // Per-token modulation: its gradient is per element ([B, N, D], dtype mt), written directly.
   void* dscale_el = nullptr;  // non-null iff scale is per-token
