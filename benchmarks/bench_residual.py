@@ -8,13 +8,17 @@ gate as its own [B, N, D] tensor) and each shape:
 * op GPU time (triton.testing.do_bench median, ms) of the forward op and of the backward op (dout and
   dr both given), and their fraction of speed-of-light (SoL): the bytes that must move over the
   device-to-device copy bandwidth measured in the same run. Bytes count each x-sized tensor in its own
-  dtype: forward reads x, y and writes r, out (4 moves; + a per-token gate read); backward reads dout,
-  dr, r (+ y with a gate) and writes dx (+ dy with a gate): 6 moves gated, 4 plain (+ a per-token
-  gate read and its dgate written). Per-row statistics and per-sample rows are not counted.
+  dtype: forward reads x, y and writes r, out (4 moves; + a read of each per-token gate, scale or
+  shift); backward reads dout, dr, r (+ y with a gate) and writes dx (+ dy with a gate): 6 moves
+  gated, 4 plain (+ a read and a write of each per-token gate, scale or shift: the tensor and its
+  gradient). Per-row statistics and per-sample rows are not counted.
 * determinism: the backward run 3 times, every output bit-identical to the first.
 * ``--stages``: each row timed again with the kernels' row staging forced to each value (the private
   ``_tuning.override(fwd_stages=, bwd_stages=)``; 0 = loads at use / the register prefetch, ``auto``
   = the launcher's choice), to pick the automatic setting.
+* ``--max-threads``: each row timed again with the kernels' threads-a-block cap forced to each value
+  (the private override's ``max_threads``: fewer threads, more 16-byte chunks a thread), to pick the
+  automatic shape.
 * ``--compare``: forward + backward through autograd (ms) of the fused op against the chain it
   replaces in a compiled model: the residual add compiled by Inductor, then the norm op
   (``adaptiveload.functional``; a plain norm: Inductor's ``F.layer_norm`` / ``F.rms_norm``), and against
@@ -25,9 +29,11 @@ gate as its own [B, N, D] tensor) and each shape:
 
 Writes ``<out>/residual_<tag>.json`` and ``.md`` with the GPU, torch version, date and exact command.
 Usage: python benchmarks/bench_residual.py [--B 1] [--N 65536] [--D 1536 3072 5120] [--tag h200]
-       [--stages auto 0 2 4] [--compare]
+       [--stages auto 0 2 4] [--max-threads auto 192 512] [--compare]
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +53,11 @@ VARIANTS = {
     "rms-gated-scale": dict(norm="rms_norm", gate="per-sample", modulation="scale", mod_dtype=torch.bfloat16,
                             affine=True),  # an RMSNorm site, scale-only (Lumina2-style)
     "per-token-gate": dict(norm="layer_norm", gate="per-token", modulation="scale+shift", mod_dtype=torch.bfloat16,
-                           affine=False),  # per-token timesteps (Wan 2.2)
+                           affine=False),  # a per-token gate, per-sample scale and shift
+    "plain-rms": dict(norm="rms_norm", gate=None, modulation="none", mod_dtype=None,
+                      affine=True),  # an RMSNorm with weight behind x + y
+    "per-token-all": dict(norm="layer_norm", gate="per-token", modulation="scale+shift", mod_dtype=torch.bfloat16,
+                          affine=False, per_token_mod=True),  # per-token timesteps (Wan 2.2): all per token
 }
 OPS = {"layer_norm": (torch.ops.adaptiveload.residual_adaln_modulate,
                       torch.ops.adaptiveload.residual_adaln_modulate_backward),
@@ -65,8 +75,12 @@ def make_inputs(B, N, D, v, gen, dtype=torch.bfloat16) -> dict:
     if v["mod_dtype"] is not None:
         shift, scale, gate, *_ = randn(B, 6 * D, scale=0.3, dt=v["mod_dtype"]).chunk(6, dim=-1)
         if v["modulation"] != "none":
-            t["scale"] = scale.unsqueeze(1)
-            t["shift"] = shift.unsqueeze(1) if v["modulation"] == "scale+shift" else None
+            if v.get("per_token_mod"):
+                scale, shift = randn(B, N, D, scale=0.3, dt=v["mod_dtype"]), randn(B, N, D, scale=0.3, dt=v["mod_dtype"])
+            else:
+                scale, shift = scale.unsqueeze(1), shift.unsqueeze(1)
+            t["scale"] = scale
+            t["shift"] = shift if v["modulation"] == "scale+shift" else None
         if v["gate"] == "per-sample":
             t["gate"] = gate.unsqueeze(1)
         elif v["gate"] == "per-token":
@@ -97,9 +111,11 @@ def sol_bytes(v, t) -> tuple[int, int]:
     fwd = 4 * n * size
     gated = t["gate"] is not None
     bwd = (6 if gated else 4) * n * size
-    if gated and v["gate"] == "per-token":
-        fwd += n * t["gate"].element_size()
-        bwd += 2 * n * t["gate"].element_size()
+    for name in ("gate", "scale", "shift"):  # each per-token row tensor: read forward, read + written backward
+        m = t[name]
+        if m is not None and m.dim() == 3 and m.shape[1] == x.shape[1] > 1:
+            fwd += n * m.element_size()
+            bwd += 2 * n * m.element_size()
     return fwd, bwd
 
 
@@ -247,11 +263,12 @@ def markdown(doc: dict) -> str:
              f"Command: `{doc['command']}`", "",
              f"Copy bandwidth (read + write): {doc['copy_tb_s']:.2f} TB/s. Targets: forward >= "
              f"{FWD_TARGET:.0%}, backward >= {BWD_TARGET:.0%} of SoL.", "",
-             "| variant | B | N | D | stages | fwd ms | fwd SoL | bwd ms | bwd SoL | fwd / bwd MB "
+             "| variant | B | N | D | stages | threads cap | fwd ms | fwd SoL | bwd ms | bwd SoL | fwd / bwd MB "
              "| bwd bit-identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         lines.append(f"| {r['variant']} | {r['B']} | {r['N']} | {r['D']} | {r.get('stages', 'auto')} | "
+                     f"{r.get('max_threads', 'auto')} | "
                      f"{r['fwd_ms']:.3f} | {r['fwd_sol']:.1%} | {r['bwd_ms']:.3f} | {r['bwd_sol']:.1%} | "
                      f"{r['fwd_bytes'] / 1e6:.0f} / {r['bwd_bytes'] / 1e6:.0f} | "
                      f"{r['backward_bit_identical_3_runs']} |")
@@ -276,6 +293,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--stages", nargs="+", default=["auto"],
                         help="row staging to time each row with: auto (the kernels' choice), 0, 2..8")
+    parser.add_argument("--max-threads", nargs="+", default=["auto"],
+                        help="threads-a-block caps to time each row with: auto (the kernels' choice), 32..512")
     parser.add_argument("--compare", action="store_true",
                         help="also time forward + backward against the unfused site and Inductor's chain")
     args = parser.parse_args(argv)
@@ -289,15 +308,16 @@ def main(argv=None) -> int:
     for B in args.B:
         for D in args.D:
             for name in args.variants:
-                for stages in args.stages:
+                for stages, cap in itertools.product(args.stages, args.max_threads):
                     value = stages if stages == "auto" else int(stages)
-                    with _tuning.override(fwd_stages=value, bwd_stages=value):
+                    with _tuning.override(fwd_stages=value, bwd_stages=value,
+                                          max_threads=cap if cap == "auto" else int(cap)):
                         row = run_shape(tt, B, args.N, D, name, VARIANTS[name], bw, gen)
-                    row["stages"] = stages
-                    if args.compare and stages == args.stages[0]:
+                    row["stages"], row["max_threads"] = stages, cap
+                    if args.compare and (stages, cap) == (args.stages[0], args.max_threads[0]):
                         row.update(compare(tt, B, args.N, D, VARIANTS[name], gen))
                     rows.append(row)
-                    print(f"{name} B={B} N={args.N} D={D} stages {stages}: fwd {row['fwd_ms']:.3f} ms "
+                    print(f"{name} B={B} N={args.N} D={D} stages {stages} threads {cap}: fwd {row['fwd_ms']:.3f} ms "
                           f"({row['fwd_sol']:.1%} SoL), bwd {row['bwd_ms']:.3f} ms ({row['bwd_sol']:.1%}), "
                           f"bit-identical {row['backward_bit_identical_3_runs']}"
                           + (f", fwd+bwd fused {row['fused_ms']:.3f} / unfused {row['unfused_ms']:.3f} / "

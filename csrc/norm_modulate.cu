@@ -528,13 +528,11 @@ std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x,
   const auto f32 = x.options().dtype(at::kFloat);
   const Tensor dx = at::empty(x.sizes(), x.options());
   a.dx = dx.data_ptr();
-  Tensor addend;  // (alive until the launch)
   if (dx_addend.has_value()) {
     TORCH_CHECK(dx_addend->sizes() == x.sizes() && dx_addend->scalar_type() == x.scalar_type(),
                 "norm_modulate kernels (backward): dx_addend must have x's shape ", dims(x.sizes()),
                 " and dtype, got shape ", dims(dx_addend->sizes()));
     check_same_device(*dx_addend, x, "dx_addend");
-    addend = dx_addend->contiguous();
   }
   const bool scale_pt = a.scale.sn != 0;
   const bool shift_pt = shift.has_value() && a.shift.sn != 0;
@@ -566,11 +564,20 @@ std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x,
   a.aligned = a.aligned && aligned16(a.dy) && aligned16(a.dx) && (!a.dscale_el || aligned16(a.dscale_el)) &&
               (!a.dshift_el || aligned16(a.dshift_el));
   // the addend: read by the per-sample ring kernel (BwdArgs::dx_addend; its row widens the ring's slots,
-  // so it is set before the plan), else added after the launch
-  if (addend.defined() && !scale_pt && !segmented && aligned16(addend.data_ptr())) a.dx_addend = addend.data_ptr();
+  // so it is set before the plan), else added after the launch. The kernel reads contiguous, aligned
+  // rows: a strided addend is copied, only once the plan has taken that kernel (until then its pointer
+  // only tells the plan that there is an addend).
+  Tensor addend;  // (the contiguous copy, alive until the launch)
+  const bool strided_addend = dx_addend.has_value() && !dx_addend->is_contiguous();
+  if (dx_addend.has_value() && !scale_pt && !segmented && (strided_addend || aligned16(dx_addend->data_ptr())))
+    a.dx_addend = dx_addend->data_ptr();
   backward_plan(a);  // after the alignment: the ring (a.stages) needs aligned rows
-  if (a.stages == 0) a.dx_addend = nullptr;
-  const bool kernel_adds = a.dx_addend != nullptr;
+  if (a.stages == 0) {
+    a.dx_addend = nullptr;
+  } else if (a.dx_addend != nullptr && strided_addend) {
+    addend = dx_addend->contiguous();
+    a.dx_addend = addend.data_ptr();
+  }
   Tensor starts;
   if (segmented) {
     if (a.stages == 0 || a.two_kernel) return {};  // (the ring kernel only; the caller's composite)
@@ -585,7 +592,7 @@ std::vector<Tensor> op_backward(Norm norm, const Tensor& dy_in, const Tensor& x,
   a.aligned = a.aligned && aligned16(a.ws);
   launch_backward(a, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (addend.defined() && !kernel_adds) dx.add_(addend);
+  if (dx_addend.has_value() && a.dx_addend == nullptr) dx.add_(*dx_addend);
 
   auto grad = [&](const Tensor& g, const Tensor& m, bool final) {
     return final ? g : segmented ? g.to(m.scalar_type()) : mod_grad(g, m, x);

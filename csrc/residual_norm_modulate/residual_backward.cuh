@@ -48,11 +48,21 @@ __device__ __forceinline__ float res_dr_total(float g, float xh, float rstd, flo
 
 // The row tensors of the backward's staging ring, in slot order (room for all four in every slot).
 enum ResBwdStaged : int { kStR = 0, kStDout = 1, kStDr = 2, kStY = 3, kStCount = 4 };
-// Whether the backward stages a per-token gate's rows too (the kernels' GST instances): those of r's
+// How a staged per-sample row kernel instance takes the gate (its template argument G): Any, whatever the call
+// has (a per-sample, shared or per-token gate, or none, decided at run time; a per-token row loaded at
+// use); Staged, a per-token gate of r's dtype through a ring of its own (res_bwd_stages_gate); None, a
+// plain residual (no gate, no y), with the gate's code compiled out: the plain one-chunk kernel took 104
+// registers with it (the run-time per-token load path) against 70 for the Staged instance (ptxas sm_90).
+enum class ResBwdGate : int { Any, Staged, None };
+// Whether the backward stages a per-token gate's rows too (the kernels' Staged instances): those of r's
 // dtype (tr), without a per-token scale, in a ring of their own after the row tensors' slots (one row
 // a slot). Else such a row is loaded at use, after the row's reduction.
 __host__ __device__ inline bool res_bwd_stages_gate(const ResBwdArgs& a, DType tr) {
   return a.gate.ptr != nullptr && a.gate.sn != 0 && a.gate.t == tr && !(a.scale.ptr && a.scale.sn != 0);
+}
+// Whether a staged per-sample row kernel takes the gate's None instance: no gate, no per-token scale.
+__host__ __device__ inline bool res_bwd_gate_none(const ResBwdArgs& a) {
+  return a.gate.ptr == nullptr && !(a.scale.ptr && a.scale.sn != 0);
 }
 // The rows a slot of the staging ring takes: the four row tensors (room for dr and y kept where a call
 // has none: a plain residual's backward read 1-3 points of speed-of-light slower with 3-row slots,
@@ -63,10 +73,12 @@ __host__ __device__ inline int res_bwd_staged(const ResBwdArgs& a, DType tr) {
 
 // The row kernels' body (res_bwd_row_kernel, and res_bwd_wide_kernel below, which differ only in their
 // launch bound).
-template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3, bool STG, bool SEG, bool GST>
+template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3, bool STG, bool SEG, ResBwdGate G>
 __device__ __forceinline__ void res_bwd_rows(const ResBwdArgs& a) {
+  constexpr bool GST = G == ResBwdGate::Staged, NOG = G == ResBwdGate::None;
   static_assert(!SEG || (STG && !SPT && ACC), "the segmented layout takes the staged one-pass kernel, per-sample rows");
-  static_assert(!GST || (STG && !SEG && !SPT && !P3), "a per-token gate is staged by the staged per-sample kernels");
+  static_assert(G == ResBwdGate::Any || (STG && !SEG && !SPT && !P3),
+                "the gate's Staged and None instances are staged per-sample kernels without a dgate plane");
   constexpr bool RMS = N == Norm::RMS;
   constexpr int NS = RMS ? 1 : 2;  // row sums: [sum g,] sum g * r_hat
   constexpr int VEC = kResVec;
@@ -80,7 +92,7 @@ __device__ __forceinline__ void res_bwd_rows(const ResBwdArgs& a) {
   if (n0 >= n1) return;
   const int D = a.D, T = blockDim.x, tid = threadIdx.x;
   const bool al = a.aligned;
-  const bool has_gate = a.gate.ptr != nullptr;
+  const bool has_gate = !NOG && a.gate.ptr != nullptr;
   const bool gpt = has_gate && a.gate.sn != 0;  // per-token gate
   const bool p2 = SPT && a.dshift_rows != nullptr;
   const Tr* __restrict__ rp = static_cast<const Tr*>(a.r);
@@ -309,9 +321,9 @@ __device__ __forceinline__ void res_bwd_rows(const ResBwdArgs& a) {
 }
 
 template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3, bool STG = false, bool SEG = false,
-          bool GST = false>
+          ResBwdGate G = ResBwdGate::Any>
 __global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdArgs a) {
-  res_bwd_rows<N, Tr, C, IO, SPT, ACC, P3, STG, SEG, GST>(a);
+  res_bwd_rows<N, Tr, C, IO, SPT, ACC, P3, STG, SEG, G>(a);
 }
 
 // Rows of kMaxThreads * kResVec < D <= kResWideThreads * kResVec elements (D = 5120 in 16-bit or fp32):
@@ -320,9 +332,9 @@ __global__ void __launch_bounds__(kMaxThreads) res_bwd_row_kernel(const ResBwdAr
 // 8 elements of each row tensor and of each partial-sum plane a thread: 128 registers (the cap of
 // kMaxThreads) with spills, one 320-thread block (10 warps) a SM; one chunk on 640 threads is 20
 // warps, its registers capped by this launch bound at 65536 / 640 (ptxas, sm_90: benchmarks/KERNEL_NOTES.md).
-template <Norm N, typename Tr, bool P3, bool GST = false>
+template <Norm N, typename Tr, bool P3, ResBwdGate G = ResBwdGate::Any>
 __global__ void __launch_bounds__(kResWideThreads) res_bwd_wide_kernel(const ResBwdArgs a) {
-  res_bwd_rows<N, Tr, 1, TypedRows<Tr>, false, true, P3, true, false, GST>(a);
+  res_bwd_rows<N, Tr, 1, TypedRows<Tr>, false, true, P3, true, false, G>(a);
 }
 
 // Two-kernel design's column kernel: grid (ceil(D / 32), tiles, B), block (32, 8); thread (tx, ty)
@@ -457,6 +469,26 @@ inline size_t res_bwd_smem(int threads, int chunks, int stages = 0, size_t slot_
   return static_cast<size_t>(3) * chunks * kResVec * threads * sizeof(float) + stages * slot_bytes;
 }
 
+// Bytes of one slot of the row kernel's staging ring for a's shape (a.threads, a.chunks).
+template <typename Tr>
+size_t res_bwd_slot_bytes(const ResBwdArgs& a) {
+  return res_stage_slot_bytes(res_bwd_staged(a, dtype_of<Tr>()), a.chunks, a.threads, sizeof(Tr));
+}
+
+// Automatic threads-a-block cap of the backward without a gate (res_bwd_gate_none, per-sample rows)
+// with 16-bit r: half the row's groups of kResVec (two chunks a thread) where one chunk would take
+// 257-512 threads (D = 2056-4096); else 0 (res_row_shape's automatic shape). The gate's None instance
+// keeps two chunks in 103-107 registers without spills (ptxas sm_90; the gated ones spill). Measured on
+// one H200 (bf16, N = 65536, a plain residual, forced shapes; benchmarks/KERNEL_NOTES.md): LayerNorm
+// (affine) 88.3 / 85.7% of speed-of-light at D = 3072 / 4096 with two chunks, 81.7 / 80.8% with one;
+// RMSNorm 90.8 / 91.1% against 73.0 / 81.6%.
+inline int res_bwd_plain_cap(const ResBwdArgs& a, size_t tr_size) {
+  const int groups = (a.D + kResVec - 1) / kResVec;
+  if (a.max_threads > 0 || !res_bwd_gate_none(a) || a.seg.on() || tr_size != 2 || groups <= 256 || groups > kMaxThreads)
+    return 0;
+  return (groups / 2 + 31) / 32 * 32;
+}
+
 // Rows of r's dtype for dout, dr, y and dx (the common case): the row kernel reads them raw in Tr.
 template <typename Tr>
 bool res_bwd_typed(const ResBwdArgs& a) {
@@ -471,10 +503,13 @@ template <Norm N, typename Tr, typename F>
 void res_bwd_row_kernel_for(const ResBwdArgs& a, bool staged, const F& f) {
   const bool one_pass = a.columns() && !a.two_kernel;
   const bool spt = a.scale.ptr && a.scale.sn != 0, p3 = a.dgate_rows != nullptr;
-  const bool gst = staged && res_bwd_stages_gate(a, dtype_of<Tr>());  // (GST: a per-token gate staged)
+  const bool gst = staged && res_bwd_stages_gate(a, dtype_of<Tr>());  // (a per-token gate staged)
+  const bool no_gate = res_bwd_gate_none(a);
+  constexpr ResBwdGate kStaged = ResBwdGate::Staged, kNone = ResBwdGate::None;
   if (a.threads > kMaxThreads) {  // the wide one-chunk kernel (res_bwd_wide_shape; planned only where it runs)
     if (p3) return f(res_bwd_wide_kernel<N, Tr, true>);
-    if (gst) return f(res_bwd_wide_kernel<N, Tr, false, true>);
+    if (gst) return f(res_bwd_wide_kernel<N, Tr, false, kStaged>);
+    if (no_gate) return f(res_bwd_wide_kernel<N, Tr, false, kNone>);
     return f(res_bwd_wide_kernel<N, Tr, false>);
   }
   auto by_io = [&](auto io) {
@@ -495,8 +530,13 @@ void res_bwd_row_kernel_for(const ResBwdArgs& a, bool staged, const F& f) {
             if (spt && p3) f(res_bwd_row_kernel<N, Tr, kC, IO, true, true, true, kS>);
             else if (spt) f(res_bwd_row_kernel<N, Tr, kC, IO, true, true, false, kS>);
             else if (p3) f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, true, kS>);
-            else if (gst) f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, false, kS, false, kS>);  // (GST: staged only)
-            else f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, false, kS>);
+            else if constexpr (kS) {  // (the gate's Staged and None instances: staged only)
+              if (gst) f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, false, true, false, kStaged>);
+              else if (no_gate) f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, false, true, false, kNone>);
+              else f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, false, true>);
+            } else {
+              f(res_bwd_row_kernel<N, Tr, kC, IO, false, true, false, false>);
+            }
           };
           if constexpr (kTyped) {
             if (staged) return pick(std::true_type{});
@@ -526,9 +566,15 @@ void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
       int stages = 0;
       if (eligible) {
         const size_t coef = res_bwd_smem(a.threads, a.chunks);
-        const size_t slot = res_stage_slot_bytes(res_bwd_staged(a, dtype_of<Tr>()), a.chunks, a.threads, sizeof(Tr));
+        const size_t slot = res_bwd_slot_bytes<Tr>(a);
         res_bwd_row_kernel_for<N, Tr>(a, true, [&](auto kernel) {
-          stages = ring_stages(requested, true, coef, slot, kResStageBytes, reinterpret_cast<const void*>(kernel), 80);
+          const void* k = reinterpret_cast<const void*>(kernel);
+          stages = ring_stages(requested, true, coef, slot, kResStageBytes, k, 80);
+          // without a gate (the None instance, 63-90 registers at one chunk): the most slots that keep
+          // the blocks a SM its registers allow. Measured on one H200 (bf16, N = 65536, the plain affine
+          // LayerNorm site, forced slots; benchmarks/KERNEL_NOTES.md): 2 slots read 75.4 / 81.7% of
+          // speed-of-light at D = 1536 / 2048 against 69.0 / 76.4% with the 4 / 3 slots of 48 KB.
+          if (stages > 0 && requested < 0 && res_bwd_gate_none(a)) stages = stages_keeping_occupancy(k, a.threads, coef, slot, stages);
         });
       }
       return stages;
@@ -539,8 +585,10 @@ void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
     const bool spt = a.scale.ptr && a.scale.sn != 0;
     int stages = 0;
     if (wide.threads > 0 && !spt && !a.seg.on() && !a.two_kernel) stages = plan_shape(wide);
+    const int plain_cap = res_bwd_plain_cap(a, sizeof(Tr));
+    if (stages == 0 && plain_cap > 0 && !a.two_kernel) stages = plan_shape(res_row_shape(a.D, plain_cap));
     if (stages == 0) stages = plan_shape(res_row_shape(a.D, a.max_threads));
-    const size_t slot = res_stage_slot_bytes(res_bwd_staged(a, dtype_of<Tr>()), a.chunks, a.threads, sizeof(Tr));
+    const size_t slot = res_bwd_slot_bytes<Tr>(a);
     a.stages = stages;
     if (a.seg.on() && (a.stages == 0 || (a.scale.ptr && a.scale.sn != 0))) {  // the staged kernel or nothing
       a.stages = 0;
@@ -560,8 +608,7 @@ void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
       a.chunks = rs.chunks;
     }
   }
-  const size_t smem = res_bwd_smem(a.threads, a.chunks, a.stages,
-                                   res_stage_slot_bytes(res_bwd_staged(a, dtype_of<Tr>()), a.chunks, a.threads, sizeof(Tr)));
+  const size_t smem = res_bwd_smem(a.threads, a.chunks, a.stages, res_bwd_slot_bytes<Tr>(a));
   res_bwd_row_kernel_for<N, Tr>(a, a.stages > 0, [&](auto kernel) {
     kernel<<<static_cast<unsigned>(a.B * a.tiles), a.threads, smem, stream>>>(a);
   });

@@ -277,16 +277,47 @@ inline size_t res_fwd_smem(RowShape rs, int stages = 0, size_t slot_bytes = 0) {
 // 88.0 / 89.6 / 87.8% against 82.3 / 82.2 / 85.7 / 86.0% (D = 1536-4096).
 constexpr int kResFwdStages = 2;
 
+// Warps a SM of the staged per-token kernel in shape rs with its automatic slots (staged_rows row
+// tensors a slot): the blocks its registers and shared memory allow, times its warps a block.
+template <Norm N, typename Tr, int C>
+int res_fwd_per_token_warps(RowShape rs, int staged_rows) {
+  const void* k = reinterpret_cast<const void*>(res_fwd_kernel<N, Tr, C, true, TypedRows<Tr>, true>);
+  const size_t slot = res_stage_slot_bytes(staged_rows, rs.chunks, rs.threads, sizeof(Tr));
+  int stages = ring_stages(-1, true, res_fwd_smem(rs), slot, kResStageBytes, k, 80);
+  if (stages > 0) stages = stages_keeping_occupancy(k, rs.threads, res_fwd_smem(rs), slot, stages);
+  return blocks_per_sm(k, rs.threads, res_fwd_smem(rs, stages, slot)) * (rs.threads / 32);
+}
+
+// The automatic shape of the per-token kernel with typed rows (staged_rows row tensors a ring slot):
+// two chunks a thread on half the threads where the row has 192 groups of kResVec or more (D >= 1536)
+// and that keeps at least as many warps a SM as res_row_shape's one chunk, else res_row_shape's.
+// Measured on one H200 (bf16, N = 65536, forced shapes; benchmarks/KERNEL_NOTES.md): a per-token
+// gate at D = 1536 / 2048 / 3072 / 4096 read 90 / 92 / 94 / 91% of speed-of-light with two chunks,
+// 72 / 82 / 68 / 80% with one; gate, scale and shift per token at D = 4096, where two chunks' larger
+// slots leave one 8-warp block a SM against one chunk's 16 warps, 87% against 95% (four chunks at
+// D = 5120: 56% against two's 79%).
+template <Norm N, typename Tr>
+RowShape res_fwd_per_token_shape(int D, int staged_rows) {
+  const RowShape one = res_row_shape(D, 0);
+  const int groups = (D + kResVec - 1) / kResVec;
+  if (one.chunks != 1 || groups < 192) return one;
+  const RowShape two = res_row_shape(D, (groups / 2 + 31) / 32 * 32);
+  if (two.chunks != 2) return one;
+  const int warps_two = res_fwd_per_token_warps<N, Tr, 2>(two, staged_rows);
+  return warps_two >= res_fwd_per_token_warps<N, Tr, 1>(one, staged_rows) ? two : one;
+}
+
 template <Norm N, typename Tr>
 bool res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
   ResFwdArgs a = a0;
   const bool pt = (a.gate.ptr && a.gate.sn != 0) || (a.scale.ptr && a.scale.sn != 0) ||
                   (a.shift.ptr && a.shift.sn != 0);
-  const RowShape rs = res_row_shape(a.D, a.max_threads);
   // x, y and out of r's dtype (the common case): their rows raw in Tr; else each in its own dtype
   const bool typed = a.xt == dtype_of<Tr>() && a.yt == dtype_of<Tr>() && a.ot == dtype_of<Tr>();
   // x, y and (per-token kernel) the per-token rows of r's dtype
   const int staged_rows = 2 + (pt ? res_fwd_staged_rows(a, dtype_of<Tr>()).count() : 0);
+  const RowShape rs = pt && typed && !a.seg.on() && a.max_threads <= 0 ? res_fwd_per_token_shape<N, Tr>(a.D, staged_rows)
+                                                                        : res_row_shape(a.D, a.max_threads);
   const size_t slot = res_stage_slot_bytes(staged_rows, rs.chunks, rs.threads, sizeof(Tr));
   auto go = [&](auto kernel) {
     const size_t smem = res_fwd_smem(rs, a.stages, slot);

@@ -11,6 +11,8 @@ dtypes, D not a multiple of 8, D = 12288, both backward designs, bit-identical b
 opcheck, and the C++ dispatcher kernels' hand-back to the Python path."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -544,6 +546,7 @@ def test_kernels_opcheck(kernels, norm, gate_layout, modulation):
     ("strided-per-sample", (2, 2048, 1536)),  # many rows a block: the ring wraps around many times
     ("per-token", (1, 5, 1536)),  # fewer rows a block than slots
     (None, (1, 33, 5120)),  # two chunks a thread (under a cap of 512 threads: else the wide kernel)
+    (None, (2, 257, 1536)),  # no gate, one chunk: the staged instance with the gate compiled out
 ])
 def test_kernels_row_staging_matches_loads_at_use(kernels, norm, dtype, gate_layout, x_shape):
     """The per-thread staging ring (forward: x, y; backward: r, dout, dr, y) at 2, 3 and 8 slots and
@@ -621,7 +624,8 @@ def test_kernels_wide_backward(kernels, norm, dtype, gate_layout, modulation, D)
     ("per-token", "per-sample", "per-sample", (2, 300, 1536)),  # the gate only (bench_residual's per-token-gate)
     ("strided-per-token", "strided-per-token", "strided-per-token", (1, 77, 3072)),  # all three, chunk views
     ("per-token", "per-token", "per-sample", (2, 5, 1536)),  # a per-sample shift beside a per-token scale
-    ("per-sample", "per-sample", "strided-per-token", (1, 40, 5120)),  # two chunks a thread
+    ("per-sample", "per-sample", "strided-per-token", (1, 40, 5120)),  # four chunks a thread
+    ("per-token", "per-sample", "per-sample", (2, 50, 1024)),  # one chunk a thread (under 192 groups of 8)
 ])
 def test_kernels_per_token_rows_of_r_dtype_through_the_forward_ring(kernels, norm, dtype, gate_layout, scale_layout,
                                                                      shift_layout, x_shape):
@@ -678,6 +682,59 @@ def test_kernels_per_token_gate_of_r_dtype_through_the_backward_ring(kernels, no
     with _tuning.override(max_threads=cap):
         check_against_float64(norm, x_shape, dtype, gate_layout, "scale+shift", "strided-per-sample", "per-sample", True,
                               seed=7, device="cuda")
+
+
+def _kernel_launches(fn, name):
+    """The demangled names of the CUDA kernels whose name contains ``name`` that ``fn()`` launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if name in e.name]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm", sorted(OPS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("site, D, cap, chunks", [
+    ("per-token", 1536, 96, 2),  # the per-token forward: two chunks of 96 threads (res_fwd_per_token_shape)
+    ("per-token", 3072, 192, 2),
+    ("per-token", 1024, 128, 1),  # under 192 groups of 8: one chunk
+    ("per-token-all", 4096, 512, 1),  # gate, scale and shift per token: two chunks would keep fewer warps a SM
+    ("plain", 1536, 192, 1),  # a plain residual's backward: the gate's None instance, one chunk
+    ("plain", 3072, 192, 2),  # two chunks of 192 threads (res_bwd_plain_cap)
+    ("plain", 4096, 256, 2),
+])
+def test_kernels_automatic_shape(kernels, norm, dtype, site, D, cap, chunks):
+    """The kernels' own shape where it is not res_row_shape's one chunk of up to 512 threads, or where it
+    depends on the row's tensors: the kernel the profiler records has the expected chunks a thread (and,
+    for a plain residual's backward, the instance with the gate compiled out); every output bit for bit
+    as the same shape forced through the private override; and against float64."""
+    gate = None if site == "plain" else "per-token"
+    modulation = "none" if site == "plain" else "scale+shift"
+    layout = "per-token" if site == "per-token-all" else "per-sample"
+    x_shape = (2, 300, D)
+    v = make_inputs(norm, x_shape, dtype, gate, modulation, layout, layout, True, seed=14, device="cuda")
+    r, out, *stats = call(norm, v, dtype, dtype)
+    gen = torch.Generator().manual_seed(15)
+    dout, dr = (torch.randn(x_shape, generator=gen).to(dtype).cuda() for _ in range(2))
+    args = _backward_args(norm, v, dout, dr, r, stats)
+    forward = site != "plain"
+    run = (lambda: call(norm, v, dtype, dtype)) if forward else (lambda: BACKWARDS[norm](*args))
+    kernel = "res_fwd_kernel" if forward else "res_bwd_row_kernel"
+    names = _kernel_launches(run, kernel)
+    assert len(names) == 1, names
+    assert re.search(kernel + r"<[^,]+, [^,]+, (\d+),", names[0]).group(1) == str(chunks), names[0]
+    if not forward:
+        assert "ResBwdGate)2>" in names[0], f"not the instance without the gate: {names[0]}"
+    auto = run()
+    with _tuning.override(max_threads=cap):
+        forced = run()
+    for i, (a, b) in enumerate(zip(auto, forced)):
+        if a is not None and a.numel():
+            assert torch.equal(a, b), f"output {i}: the automatic shape differs from max_threads={cap}"
+    check_against_float64(norm, (2, 37, D), dtype, gate, modulation, layout, layout, True, seed=16, device="cuda")
 
 
 @pytest.mark.cuda
