@@ -58,15 +58,25 @@ def modulation_layout(mod_shape, x_shape) -> str:
 
     Raises:
         ValueError: the modulation does not broadcast to ``x_shape`` in one of those three ways
-            (wrong last dim, more dims than x, a batch dim other than 1 or B, or middle dims that
-            are neither all 1 nor all equal to x's). A 2-D table over x of 3+ dims gets a pointer to
-            ``segment_ids`` in the message (rows of a pack, one a sample).
+            (a last dim other than D, 1 or a 0-dim tensor included, which would broadcast one value
+            over the features; more dims than x; a batch dim other than 1 or B; or middle dims that
+            are neither all 1 nor all equal to x's). The message lists the three layouts; a 2-D table over x of 3+
+            dims gets a pointer to ``segment_ids`` (rows of a pack, one a sample).
     """
     mod_shape, x_shape = list(mod_shape), list(x_shape)
-    if len(mod_shape) > len(x_shape) or len(mod_shape) == 0 or mod_shape[-1] != x_shape[-1]:
-        raise ValueError(f"shape {mod_shape} does not broadcast over x of shape {x_shape}")
+    x_middle = x_shape[1:-1]
+    expected = (f"expected [B, 1, ..., 1, D] (per-sample), [B or 1, {', '.join(map(str, x_middle)) or 'N'}, D] "
+                f"(per-token) or [D] (shared)")
+    if len(mod_shape) > len(x_shape):
+        raise ValueError(f"shape {mod_shape} has more dims than x of shape {x_shape}; {expected}")
+    if len(mod_shape) == 0 or (mod_shape[-1] == 1 and x_shape[-1] != 1):
+        # broadcastable, but one value for all D features: not a modulation layout the ops take
+        raise ValueError(f"shape {mod_shape} has one value for all {x_shape[-1]} features of x of shape {x_shape}: "
+                         f"a modulation has one per feature (D = {x_shape[-1]}); {expected}")
+    if mod_shape[-1] != x_shape[-1]:
+        raise ValueError(f"shape {mod_shape} does not broadcast over x of shape {x_shape}; {expected}")
     padded = [1] * (len(x_shape) - len(mod_shape)) + mod_shape
-    batch, middle, x_middle = padded[0], padded[1:-1], x_shape[1:-1]
+    batch, middle = padded[0], padded[1:-1]
     if len(x_shape) == 2:  # [B, D]: a row per sample is a row per token
         if batch == 1:
             return SHARED if x_shape[0] != 1 else PER_SAMPLE
@@ -82,11 +92,8 @@ def modulation_layout(mod_shape, x_shape) -> str:
     # a [n, D] table over x of 3+ dims: one row per packed sample, which only segment_ids can place
     pack = ("; rows of a pack, one a sample ([n, D]), take segment_ids= (adaptiveload.functional)"
             if len(mod_shape) == 2 and len(x_shape) > 2 and mod_shape[0] != 1 else "")
-    raise ValueError(
-        f"shape {mod_shape} is not a supported modulation layout for x of shape {x_shape}{why}: expected "
-        f"[B, 1, ..., 1, D] (per-sample), [B or 1, {', '.join(map(str, x_middle)) or 'N'}, D] (per-token) "
-        f"or [D] (shared){pack}"
-    )
+    raise ValueError(f"shape {mod_shape} is not a supported modulation layout for x of shape {x_shape}{why}: "
+                     f"{expected}{pack}")
 
 
 def check_common(op: str, x: Tensor, params: dict, mods: dict, out_dtype: torch.dtype,
