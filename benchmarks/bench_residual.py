@@ -76,7 +76,7 @@ def make_inputs(B, N, D, v, gen, dtype=torch.bfloat16) -> dict:
         shift, scale, gate, *_ = randn(B, 6 * D, scale=0.3, dt=v["mod_dtype"]).chunk(6, dim=-1)
         if v["modulation"] != "none":
             if v.get("per_token_mod"):
-                scale, shift = randn(B, N, D, scale=0.3, dt=v["mod_dtype"]), randn(B, N, D, scale=0.3, dt=v["mod_dtype"])
+                scale, shift = (randn(B, N, D, scale=0.3, dt=v["mod_dtype"]) for _ in range(2))
             else:
                 scale, shift = scale.unsqueeze(1), shift.unsqueeze(1)
             t["scale"] = scale

@@ -202,7 +202,8 @@ def _good():
         (dict(scale=torch.randn(2, 1, 1)),  # broadcasts in PyTorch, but one value for all features
          r"scale \(shape \[2, 1, 1\].*has one value for all 8 features of x of shape \[2, 5, 8\]: a modulation has one "
          r"per feature \(D = 8\); expected \[B, 1, \.\.\., 1, D\]"),
-        (dict(scale=torch.randn(1, 2, 1, 8)), r"scale \(shape \[1, 2, 1, 8\].*has more dims than x of shape \[2, 5, 8\]"),
+        (dict(scale=torch.randn(1, 2, 1, 8)),
+         r"scale \(shape \[1, 2, 1, 8\].*has more dims than x of shape \[2, 5, 8\]"),
         (dict(scale=torch.randn(3, 1, 8)), r"scale \(shape \[3, 1, 8\].*\(its batch 3 is neither 1 nor x's batch 2\): expected \[B, 1, \.\.\., 1, D\]"),
         (dict(scale=torch.randn(2, 8)),
          r"scale \(shape \[2, 8\].*not a supported modulation layout.*\[D\] \(shared\); rows of a pack, one a sample "

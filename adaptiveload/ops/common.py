@@ -60,8 +60,8 @@ def modulation_layout(mod_shape, x_shape) -> str:
         ValueError: the modulation does not broadcast to ``x_shape`` in one of those three ways
             (a last dim other than D, 1 or a 0-dim tensor included, which would broadcast one value
             over the features; more dims than x; a batch dim other than 1 or B; or middle dims that
-            are neither all 1 nor all equal to x's). The message lists the three layouts; a 2-D table over x of 3+
-            dims gets a pointer to ``segment_ids`` (rows of a pack, one a sample).
+            are neither all 1 nor all equal to x's). The message lists the three layouts; a 2-D
+            table over x of 3+ dims gets a pointer to ``segment_ids`` (rows of a pack, one a sample).
     """
     mod_shape, x_shape = list(mod_shape), list(x_shape)
     x_middle = x_shape[1:-1]
