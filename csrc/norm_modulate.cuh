@@ -65,6 +65,8 @@ struct ModView {
   // The tensor's dtype, read by the residual kernels (each modulation in its own dtype); the
   // norm -> modulate kernels take scale's and shift's from FwdArgs::mt / BwdArgs::mt instead.
   DType t = DType::F32;
+  // Present, with a row per token.
+  __host__ __device__ bool per_token() const { return ptr != nullptr && sn != 0; }
 };
 
 struct FwdArgs {

@@ -324,6 +324,18 @@ constexpr int kFwdTailPctNarrow = 10, kFwdTailPctWide = 5;
 // forward slower there: (8, 384) 0.022 ms against 0.016 ms without them, (1, 6144) 0.027 against 0.023.
 constexpr int64_t kFwdTailMinRowsPerBlock = 16;
 
+// The forward ring kernel's automatic block shape: ring_row_shape's, but for 16-bit x two chunks a thread
+// on up to 256 threads where ring_row_shape gives more (D = 2056-4096). Measured on one H200 (bf16,
+// N = 65536, forced max_threads; benchmarks/results/segmented_h200_shape_sweep.txt): at D = 3072 two
+// chunks of 192 threads read 90.4% of speed-of-light with per-sample rows and 83.1% in the segmented
+// layout, against 88.6% / 79.7% with four chunks of 96.
+inline RowShape fwd_ring_shape(int D, DType xt, int max_threads, int ring_chunks) {
+  const RowShape shape = ring_row_shape(D, xt, max_threads, ring_chunks);
+  if (max_threads > 0 || xt == DType::F32 || shape.chunks <= 2) return shape;
+  const RowShape two = row_shape(D, xt, 256);
+  return two.chunks <= 2 ? two : shape;
+}
+
 // Whether it launched: false only for the segmented layout where the ring cannot run.
 template <Norm N, typename Tx, typename Tm, typename To>
 bool fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
@@ -354,7 +366,7 @@ bool fwd_typed(const FwdArgs& a0, cudaStream_t stream) {
   };
   // the ring where it compiles without spills (its own, narrower block shape), else the register prefetch
   const int ring_chunks = pt ? kRingChunksPerToken : kRingChunks;
-  const RowShape ring = ring_row_shape(a0.D, a0.xt, a0.max_threads, ring_chunks);
+  const RowShape ring = fwd_ring_shape(a0.D, a0.xt, a0.max_threads, ring_chunks);
   bool ran = false;
   auto try_ring = [&](auto kernel, int chunks) {  // ran: the ring could run, and was launched
     const size_t coef = coef_smem_bytes(2, chunks, ring.threads, a0.xt);

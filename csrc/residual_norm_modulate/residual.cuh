@@ -153,7 +153,7 @@ struct ResFwdStagedRows {
   __host__ __device__ int count() const { return int{gate} + int{scale} + int{shift}; }
 };
 __host__ __device__ inline ResFwdStagedRows res_fwd_staged_rows(const ResFwdArgs& a, DType tr) {
-  auto per_token = [&](const ModView& m) { return m.ptr != nullptr && m.sn != 0 && m.t == tr; };
+  auto per_token = [&](const ModView& m) { return m.per_token() && m.t == tr; };
   ResFwdStagedRows st;
   st.gate = per_token(a.gate);
   st.scale = per_token(a.scale);

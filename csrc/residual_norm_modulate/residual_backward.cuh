@@ -48,27 +48,39 @@ __device__ __forceinline__ float res_dr_total(float g, float xh, float rstd, flo
 
 // The row tensors of the backward's staging ring, in slot order (room for all four in every slot).
 enum ResBwdStaged : int { kStR = 0, kStDout = 1, kStDr = 2, kStY = 3, kStCount = 4 };
-// How a staged per-sample row kernel instance takes the gate (its template argument G): Any, whatever the call
-// has (a per-sample, shared or per-token gate, or none, decided at run time; a per-token row loaded at
-// use); Staged, a per-token gate of r's dtype through a ring of its own (res_bwd_stages_gate); None, a
-// plain residual (no gate, no y), with the gate's code compiled out: the plain one-chunk kernel took 104
-// registers with it (the run-time per-token load path) against 70 for the Staged instance (ptxas sm_90).
+// How a staged row kernel instance takes the per-token gate and scale (its template argument G): Any,
+// whatever the call has (a per-sample, shared or per-token gate, or none, decided at run time; per-token
+// rows loaded at use); Staged, the per-token gate and scale rows of res_bwd_extra_rows through a ring of
+// their own; None, a plain residual (no gate, no y, no per-token scale), with that code compiled out: the
+// plain one-chunk kernel took 104 registers with it (the run-time per-token load path) against 70 for
+// the Staged instance (ptxas sm_90).
 enum class ResBwdGate : int { Any, Staged, None };
-// Whether the backward stages a per-token gate's rows too (the kernels' Staged instances): those of r's
-// dtype (tr), without a per-token scale, in a ring of their own after the row tensors' slots (one row
-// a slot). Else such a row is loaded at use, after the row's reduction.
-__host__ __device__ inline bool res_bwd_stages_gate(const ResBwdArgs& a, DType tr) {
-  return a.gate.ptr != nullptr && a.gate.sn != 0 && a.gate.t == tr && !(a.scale.ptr && a.scale.sn != 0);
+// The per-token rows a slot of the Staged instances' own ring takes (after the row tensors' slots): 1,
+// a per-token gate's; 2, with a per-token scale and no column sums, the gate's (room kept where the call
+// has no gate) and the scale's; 0, none staged: a per-token gate or scale not of r's dtype (tr), or a
+// per-token scale with column sums. Rows not staged are loaded at use (the Any instances): the gate
+// after the row's reduction, the scale before it.
+__host__ __device__ inline int res_bwd_extra_rows(const ResBwdArgs& a, DType tr) {
+  const bool gpt = a.gate.per_token(), spt = a.scale.per_token();
+  if ((gpt && a.gate.t != tr) || (spt && (a.scale.t != tr || a.columns()))) return 0;
+  return spt ? 2 : gpt ? 1 : 0;
 }
-// Whether a staged per-sample row kernel takes the gate's None instance: no gate, no per-token scale.
+// Whether a staged row kernel takes the None instance: no gate, no per-token scale.
 __host__ __device__ inline bool res_bwd_gate_none(const ResBwdArgs& a) {
-  return a.gate.ptr == nullptr && !(a.scale.ptr && a.scale.sn != 0);
+  return a.gate.ptr == nullptr && !a.scale.per_token();
+}
+// Whether the row kernel can stage a's rows (typed, aligned rows; the staged instances of
+// res_bwd_row_kernel_for): the one-pass kernel with column sums, or, without any, where the per-token
+// rows are all staged or there are none.
+__host__ __device__ inline bool res_bwd_stageable(const ResBwdArgs& a, DType tr, int chunks) {
+  if (a.columns()) return !a.two_kernel;
+  return chunks <= kResOnePassChunks && (res_bwd_extra_rows(a, tr) > 0 || res_bwd_gate_none(a));
 }
 // The rows a slot of the staging ring takes: the four row tensors (room for dr and y kept where a call
 // has none: a plain residual's backward read 1-3 points of speed-of-light slower with 3-row slots,
-// benchmarks/KERNEL_NOTES.md), and a per-token gate's row where staged.
+// benchmarks/KERNEL_NOTES.md), and the staged per-token rows.
 __host__ __device__ inline int res_bwd_staged(const ResBwdArgs& a, DType tr) {
-  return kStCount + (res_bwd_stages_gate(a, tr) ? 1 : 0);
+  return kStCount + res_bwd_extra_rows(a, tr);
 }
 
 // The row kernels' body (res_bwd_row_kernel, and res_bwd_wide_kernel below, which differ only in their
@@ -77,8 +89,8 @@ template <Norm N, typename Tr, int C, typename IO, bool SPT, bool ACC, bool P3, 
 __device__ __forceinline__ void res_bwd_rows(const ResBwdArgs& a) {
   constexpr bool GST = G == ResBwdGate::Staged, NOG = G == ResBwdGate::None;
   static_assert(!SEG || (STG && !SPT && ACC), "the segmented layout takes the staged one-pass kernel, per-sample rows");
-  static_assert(G == ResBwdGate::Any || (STG && !SEG && !SPT && !P3),
-                "the gate's Staged and None instances are staged per-sample kernels without a dgate plane");
+  static_assert(G == ResBwdGate::Any || (STG && !SEG && !P3 && !(SPT && ACC)),
+                "the Staged and None instances are staged kernels without a dgate plane (a per-token scale: without column sums)");
   constexpr bool RMS = N == Norm::RMS;
   constexpr int NS = RMS ? 1 : 2;  // row sums: [sum g,] sum g * r_hat
   constexpr int VEC = kResVec;
@@ -152,17 +164,21 @@ __device__ __forceinline__ void res_bwd_rows(const ResBwdArgs& a) {
   // the staging ring (STG) after the coefficient rows: rows n0 .. n0 + S - 2 issued up front
   const int S = STG ? a.stages : 1;
   const RowStage<Tr, kStCount, C> stage{reinterpret_cast<uint4*>(coef_smem + 3 * arr), T, tid};
-  // a per-token gate of r's dtype (GST: res_bwd_stages_gate): its rows in a ring of S rows after the
-  // row tensors' S slots (an instance of its own: the others keep their registers)
+  // GST: the per-token gate's and (SPT) scale's rows, of r's dtype (res_bwd_extra_rows), in a ring of S
+  // slots after the row tensors' S slots (instances of their own: the others keep their registers). A
+  // gate there is per-token: without column sums a call has no other; with them, GST has no other.
   constexpr int kSlotWords = kStCount * C * RowStage<Tr, kStCount, C>::kWords;  // (a thread's 16-byte words a slot)
-  const RowStage<Tr, 1, C> gate_stage{reinterpret_cast<uint4*>(coef_smem + 3 * arr) + S * kSlotWords * T, T, tid};
+  const RowStage<Tr, SPT ? 2 : 1, C> ex_stage{reinterpret_cast<uint4*>(coef_smem + 3 * arr) + S * kSlotWords * T, T, tid};
   auto stage_row = [&](int64_t n, int slot) {
     const int64_t o = (b * a.N + n) * static_cast<int64_t>(D);
     stage.copy(slot, kStR, rp + o, D);
     stage.copy(slot, kStDout, static_cast<const Tr*>(a.dout) + o, D);
     if (a.dr) stage.copy(slot, kStDr, static_cast<const Tr*>(a.dr) + o, D);
     if (has_gate) stage.copy(slot, kStY, static_cast<const Tr*>(a.y) + o, D);
-    if constexpr (GST) gate_stage.copy(slot, 0, static_cast<const Tr*>(mod_row(a.gate, b, n)), D);
+    if constexpr (GST) {
+      if (has_gate) ex_stage.copy(slot, 0, static_cast<const Tr*>(mod_row(a.gate, b, n)), D);
+      if constexpr (SPT) ex_stage.copy(slot, 1, static_cast<const Tr*>(mod_row(a.scale, b, n)), D);
+    }
   };
   if constexpr (STG) {
     for (int i = 0; i < S - 1; ++i) {
@@ -194,7 +210,7 @@ __device__ __forceinline__ void res_bwd_rows(const ResBwdArgs& a) {
     // this row, raw: r, dout, a per-token scale row (SPT); with kEarly also dr and y
     Raw<Tr, VEC> cr[C];
     RawIO cdo[C], cdr[C], cy[C];
-    AnyRaw<VEC> cs[SPT ? C : 1];
+    AnyRaw<VEC> cs[SPT && !GST ? C : 1];  // (GST: a per-token scale is read from its slot where used)
     if constexpr (STG) {
       // row n + S - 1 into the slot row n - 1 left (this thread read it in the previous iteration)
       if (n + S - 1 < n1) stage_row(n + S - 1, slot == 0 ? S - 1 : slot - 1);
@@ -206,7 +222,7 @@ __device__ __forceinline__ void res_bwd_rows(const ResBwdArgs& a) {
       load_chunks(rp + off, D, T, tid, al, cr);
       IO::template load<VEC, C>(IO::at(a.dout, a.dot, off), a.dot, D, T, tid, al, cdo);
     }
-    if constexpr (SPT) load_chunks_any<VEC, C>(mod_row(a.scale, b, n), a.scale.t, D, T, tid, al, cs);
+    if constexpr (SPT && !GST) load_chunks_any<VEC, C>(mod_row(a.scale, b, n), a.scale.t, D, T, tid, al, cs);
     auto load_late = [&]() {  // what only the second half of the row needs
       if constexpr (STG) {
         if (a.dr) stage.read(slot, kStDr, cdr);
@@ -221,7 +237,12 @@ __device__ __forceinline__ void res_bwd_rows(const ResBwdArgs& a) {
     auto scale1 = [&](int c, float (&s1)[VEC]) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) s1[j] = 1.f;
-      if constexpr (SPT) {
+      if constexpr (SPT && GST) {
+        Raw<Tr, VEC> sraw;
+        ex_stage.read_chunk(slot, 1, c, sraw);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) s1[j] = to_f<Tr>(sraw.v[j]) + 1.f;
+      } else if constexpr (SPT) {
         any_to_f<VEC>(cs[c], a.scale.t, s1);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) s1[j] += 1.f;
@@ -288,7 +309,7 @@ __device__ __forceinline__ void res_bwd_rows(const ResBwdArgs& a) {
         float gv[VEC], yf[VEC], o[VEC];
         if constexpr (GST) {
           Raw<Tr, VEC> graw;
-          gate_stage.read_chunk(slot, 0, c, graw);
+          ex_stage.read_chunk(slot, 0, c, graw);
 #pragma unroll
           for (int j = 0; j < VEC; ++j) gv[j] = to_f<Tr>(graw.v[j]);
         } else if (gpt) {
@@ -348,7 +369,7 @@ __global__ void __launch_bounds__(256) res_bwd_col_kernel(const ResBwdArgs a) {
   const int d = blockIdx.x * 32 + tx;
   const int64_t tile = blockIdx.y, b = blockIdx.z;
   const int64_t n0 = tile * a.rows_per_tile, n1 = min(a.N, n0 + a.rows_per_tile);
-  const bool spt = a.scale.ptr && a.scale.sn != 0;
+  const bool spt = a.scale.per_token();
   const bool p3 = a.dgate_rows != nullptr;
   const Tr* __restrict__ rp = static_cast<const Tr*>(a.r);
   float q[kResPlanes] = {};
@@ -440,7 +461,7 @@ __global__ void __launch_bounds__(512) res_reduce_kernel(const ResBwdArgs a) {
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int d = blockIdx.x * 32 + tx;
   const int64_t plane = a.pieces * a.D;
-  const bool spt = a.scale.ptr && a.scale.sn != 0;
+  const bool spt = a.scale.per_token();
   const bool reduced_scale = a.scale.ptr && !spt;
   const bool use[kResPlanes] = {true, true, spt && a.dshift_rows != nullptr, a.dgate_rows != nullptr};
   const float w = (a.weight && d < a.D) ? a.weight[d] : 1.f;
@@ -497,13 +518,13 @@ bool res_bwd_typed(const ResBwdArgs& a) {
 }
 
 // f(kernel, staged): the row kernel for a's plan (chunks, one pass or two kernels, a per-token scale,
-// the partials it keeps, how it reads the row tensors); staged (the one-pass kernel with typed rows
-// only) picks its staging-ring instance.
+// the partials it keeps, how it reads the row tensors); staged (typed rows where res_bwd_stageable
+// holds) picks its staging-ring instance.
 template <Norm N, typename Tr, typename F>
 void res_bwd_row_kernel_for(const ResBwdArgs& a, bool staged, const F& f) {
   const bool one_pass = a.columns() && !a.two_kernel;
-  const bool spt = a.scale.ptr && a.scale.sn != 0, p3 = a.dgate_rows != nullptr;
-  const bool gst = staged && res_bwd_stages_gate(a, dtype_of<Tr>());  // (a per-token gate staged)
+  const bool spt = a.scale.per_token(), p3 = a.dgate_rows != nullptr;
+  const bool gst = staged && res_bwd_extra_rows(a, dtype_of<Tr>()) > 0;  // (per-token rows staged)
   const bool no_gate = res_bwd_gate_none(a);
   constexpr ResBwdGate kStaged = ResBwdGate::Staged, kNone = ResBwdGate::None;
   if (a.threads > kMaxThreads) {  // the wide one-chunk kernel (res_bwd_wide_shape; planned only where it runs)
@@ -544,6 +565,13 @@ void res_bwd_row_kernel_for(const ResBwdArgs& a, bool staged, const F& f) {
           return pick(std::false_type{});
         }
       }
+      if constexpr (kC <= kResOnePassChunks && kTyped) {  // no column sums: the staged instances
+        if (staged && !a.columns()) {
+          if (gst && spt) return f(res_bwd_row_kernel<N, Tr, kC, IO, true, false, false, true, false, kStaged>);
+          if (gst) return f(res_bwd_row_kernel<N, Tr, kC, IO, false, false, false, true, false, kStaged>);
+          if (no_gate) return f(res_bwd_row_kernel<N, Tr, kC, IO, false, false, false, true, false, kNone>);
+        }
+      }
       if (spt) f(res_bwd_row_kernel<N, Tr, kC, IO, true, false, false>);
       else f(res_bwd_row_kernel<N, Tr, kC, IO, false, false, false>);
     });
@@ -556,13 +584,13 @@ template <Norm N, typename Tr>
 void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
   if (!launch) {
     const int requested = a.stages;
-    // Shape {threads, chunks}: the staging ring's slots for it (the one-pass kernel with typed, aligned rows;
-    // a.stages: the request), 0 where it does not stage.
+    // Shape {threads, chunks}: the staging ring's slots for it (typed, aligned rows where res_bwd_stageable
+    // holds; a.stages: the request), 0 where it does not stage.
     auto plan_shape = [&](RowShape rs) {
       a.threads = rs.threads;
       a.chunks = rs.chunks;
       a.two_kernel = a.columns() && (a.two_kernel || rs.chunks > kResOnePassChunks);
-      const bool eligible = a.columns() && !a.two_kernel && a.aligned && res_bwd_typed<Tr>(a);
+      const bool eligible = a.aligned && res_bwd_typed<Tr>(a) && res_bwd_stageable(a, dtype_of<Tr>(), rs.chunks);
       int stages = 0;
       if (eligible) {
         const size_t coef = res_bwd_smem(a.threads, a.chunks);
@@ -579,18 +607,17 @@ void res_backward(ResBwdArgs& a, bool launch, cudaStream_t stream) {
       }
       return stages;
     };
-    // the wide one-chunk kernel where it applies (staged, per-sample rows, no per-token scale), else the
-    // shape of res_row_shape
+    // the wide one-chunk kernel where it applies (staged, column sums, per-sample rows, no per-token
+    // scale), else the shape of res_row_shape
     const RowShape wide = res_bwd_wide_shape(a.D, a.max_threads);
-    const bool spt = a.scale.ptr && a.scale.sn != 0;
     int stages = 0;
-    if (wide.threads > 0 && !spt && !a.seg.on() && !a.two_kernel) stages = plan_shape(wide);
+    if (wide.threads > 0 && a.columns() && !a.scale.per_token() && !a.seg.on() && !a.two_kernel) stages = plan_shape(wide);
     const int plain_cap = res_bwd_plain_cap(a, sizeof(Tr));
     if (stages == 0 && plain_cap > 0 && !a.two_kernel) stages = plan_shape(res_row_shape(a.D, plain_cap));
     if (stages == 0) stages = plan_shape(res_row_shape(a.D, a.max_threads));
     const size_t slot = res_bwd_slot_bytes<Tr>(a);
     a.stages = stages;
-    if (a.seg.on() && (a.stages == 0 || (a.scale.ptr && a.scale.sn != 0))) {  // the staged kernel or nothing
+    if (a.seg.on() && (a.stages == 0 || a.scale.per_token())) {  // the staged kernel or nothing
       a.stages = 0;
       return;
     }

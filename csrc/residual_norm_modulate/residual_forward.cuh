@@ -23,6 +23,10 @@
 // Tr), else AnyRows (each in its own dtype, twice the registers for a 16-bit raw row).
 #pragma once
 
+#include <map>
+#include <mutex>
+#include <tuple>
+
 #include "residual_norm_modulate/residual.cuh"
 
 namespace adaln {
@@ -59,8 +63,8 @@ __device__ __forceinline__ void res_fwd_rows(const ResFwdArgs& a, int64_t tiles)
   const bool al = a.aligned;
   // per-token rows, read with each row (PT only): a shift row also when scale is per-token, since the
   // shift cannot then be folded into beta
-  const bool g_row = PT && a.gate.ptr && a.gate.sn != 0;
-  const bool s_row = PT && a.scale.ptr && a.scale.sn != 0;
+  const bool g_row = PT && a.gate.per_token();
+  const bool s_row = PT && a.scale.per_token();
   const bool h_row = PT && a.shift.ptr && (a.shift.sn != 0 || s_row);
 
   extern __shared__ float4 coef_smem[];
@@ -296,22 +300,37 @@ int res_fwd_per_token_warps(RowShape rs, int staged_rows) {
 // 72 / 82 / 68 / 80% with one; gate, scale and shift per token at D = 4096, where two chunks' larger
 // slots leave one 8-warp block a SM against one chunk's 16 warps, 87% against 95% (four chunks at
 // D = 5120: 56% against two's 79%).
+// Chosen once per (D, staged_rows, device): the occupancy queries behind it take about ten cached
+// lookups, each under a lock.
 template <Norm N, typename Tr>
 RowShape res_fwd_per_token_shape(int D, int staged_rows) {
-  const RowShape one = res_row_shape(D, 0);
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, int>, RowShape> chosen;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const auto key = std::make_tuple(D, staged_rows, dev);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = chosen.find(key);
+    if (it != chosen.end()) return it->second;
+  }
+  RowShape shape = res_row_shape(D, 0);
   const int groups = (D + kResVec - 1) / kResVec;
-  if (one.chunks != 1 || groups < 192) return one;
-  const RowShape two = res_row_shape(D, (groups / 2 + 31) / 32 * 32);
-  if (two.chunks != 2) return one;
-  const int warps_two = res_fwd_per_token_warps<N, Tr, 2>(two, staged_rows);
-  return warps_two >= res_fwd_per_token_warps<N, Tr, 1>(one, staged_rows) ? two : one;
+  if (shape.chunks == 1 && groups >= 192) {
+    const RowShape two = res_row_shape(D, (groups / 2 + 31) / 32 * 32);
+    if (two.chunks == 2 && res_fwd_per_token_warps<N, Tr, 2>(two, staged_rows) >=
+                               res_fwd_per_token_warps<N, Tr, 1>(shape, staged_rows))
+      shape = two;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  chosen[key] = shape;
+  return shape;
 }
 
 template <Norm N, typename Tr>
 bool res_forward(const ResFwdArgs& a0, cudaStream_t stream) {
   ResFwdArgs a = a0;
-  const bool pt = (a.gate.ptr && a.gate.sn != 0) || (a.scale.ptr && a.scale.sn != 0) ||
-                  (a.shift.ptr && a.shift.sn != 0);
+  const bool pt = a.gate.per_token() || a.scale.per_token() || a.shift.per_token();
   // x, y and out of r's dtype (the common case): their rows raw in Tr; else each in its own dtype
   const bool typed = a.xt == dtype_of<Tr>() && a.yt == dtype_of<Tr>() && a.ot == dtype_of<Tr>();
   // x, y and (per-token kernel) the per-token rows of r's dtype

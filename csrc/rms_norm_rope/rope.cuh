@@ -5,7 +5,8 @@
 //   y[h, 2i] = n[h, 2i] * cos - n[h, 2i + 1] * sin,   y[h, 2i + 1] = n[h, 2i] * sin + n[h, 2i + 1] * cos
 //
 // with cos, sin = table[b, t, h, i] (i < Dh / 2) read through element strides (0 where a table is
-// broadcast: diffusers' Wan tables are [1, S, 1, Dh / 2] views with stride 2 along i). Backward, the
+// broadcast: diffusers' Wan tables are [1, S, 1, Dh / 2] views with stride 2 along i), the tables and the
+// weight each in its own dtype (fp32, bf16 or fp16), dweight written in the weight's. Backward, the
 // rotation transposed: dn[2i] = dy[2i] * cos + dy[2i + 1] * sin, dn[2i + 1] = dy[2i + 1] * cos - dy[2i] * sin;
 // g = dn * w; dx = rstd * (g - x_hat * mean_D(g * x_hat)); dweight = sum over rows of dn * x_hat,
 // summed deterministically (each thread-row of the backward's grid into its own row in shared memory,
@@ -19,10 +20,11 @@
 
 namespace adaln {
 
-// A rotation table (cos or sin) in fp32 as the kernels read it for x viewed as [B, N, D]: element
-// (b, n, h, i) at p[b * sb + n * sn + h * sh + i * si] (the in-row strides sh, si 32-bit).
+// A rotation table (cos or sin) as the kernels read it for x viewed as [B, N, D]: element (b, n, h, i)
+// at p[b * sb + n * sn + h * sh + i * si] (the in-row strides sh, si 32-bit), of dtype t.
 struct RopeTable {
-  const float* p = nullptr;
+  const void* p = nullptr;
+  DType t = DType::F32;
   int64_t sb = 0, sn = 0;
   int sh = 0, si = 0;
 };
@@ -33,7 +35,8 @@ struct RopeArgs {
   float eps = 0.f;
   const void* x = nullptr;
   DType xt = DType::F32;
-  const float* weight = nullptr;  // fp32 [D] or null
+  const void* weight = nullptr;  // [D] of dtype wt, or null
+  DType wt = DType::F32;
   RopeTable cos, sin;
   float* rstd = nullptr;  // [B * N]: written by the forward, read by the backward
   bool aligned = false;   // D a multiple of the vector width and every row pointer 16-byte aligned
@@ -46,7 +49,7 @@ struct RopeArgs {
   DType dyt = DType::F32;
   void* dx = nullptr;
   DType dxt = DType::F32;
-  float* dweight = nullptr;  // fp32 [D] or null (no weight, or its gradient not wanted)
+  void* dweight = nullptr;  // [D] of the weight's dtype wt, or null (no weight, or its gradient not wanted)
   float* totals = nullptr;   // the backward blocks' dweight partials, [partials, D] (where partials > 1)
   int blocks = 0;            // backward grid (rope_backward_plan)
   int partials = 0;          // dweight partials of that grid: one a block (rope_backward_plan)

@@ -69,13 +69,21 @@ struct AngleStart {
 // (threads * VEC a multiple of Dh, D a multiple of VEC), so each group has the same pair indices.
 // Read through the read-only path (__ldg), which lets the compiler issue them early: before the row's
 // reduction and ahead of earlier groups' stores.
+// Element i of a table row (row: the table's element (b, n, 0, 0)) as fp32, through the read-only path.
+// (One 16-bit load for both 16-bit dtypes, then the conversion: fewer registers than a load a dtype.)
+__device__ __forceinline__ float table_at(DType t, const void* row, int i) {
+  if (t == DType::F32) return __ldg(static_cast<const float*>(row) + i);
+  const unsigned short u = __ldg(static_cast<const unsigned short*>(row) + i);
+  return t == DType::BF16 ? __uint_as_float(static_cast<unsigned>(u) << 16) : __half2float(__ushort_as_half(u));
+}
+
 template <int VEC, int kSets>
 struct RowAngles {
   float c[kSets][VEC / 2], s[kSets][VEC / 2];
   __device__ __forceinline__ RowAngles(const RopeArgs& a, int64_t b, int64_t n, int threads, int tid,
                                        const AngleStart<VEC, kSets>& st) {
-    const float* cr = a.cos.p + b * a.cos.sb + n * a.cos.sn;
-    const float* sr = a.sin.p + b * a.sin.sb + n * a.sin.sn;
+    const void* cr = elem_ptr(a.cos.p, a.cos.t, b * a.cos.sb + n * a.cos.sn);
+    const void* sr = elem_ptr(a.sin.p, a.sin.t, b * a.sin.sb + n * a.sin.sn);
     const int pairs = a.Dh >> 1;
 #pragma unroll
     for (int k = 0; k < kSets; ++k) {
@@ -86,8 +94,8 @@ struct RowAngles {
         if (i == pairs) i = 0, ++h;
         // (0 past D, where the unaligned path's last group ends, so that y and g are 0 there)
         const bool in = col + 2 * q < a.D;
-        c[k][q] = in ? __ldg(cr + h * a.cos.sh + i * a.cos.si) : 0.f;
-        s[k][q] = in ? __ldg(sr + h * a.sin.sh + i * a.sin.si) : 0.f;
+        c[k][q] = in ? table_at(a.cos.t, cr, h * a.cos.sh + i * a.cos.si) : 0.f;
+        s[k][q] = in ? table_at(a.sin.t, sr, h * a.sin.sh + i * a.sin.si) : 0.f;
         ++i;
       }
     }
@@ -98,8 +106,8 @@ struct RowAngles {
 // in L1, and read-only loads let the compiler hoist every group's weights ahead, past 64 registers.)
 template <int VEC>
 __device__ __forceinline__ void weight_at(const RopeArgs& a, int col, float (&w)[VEC]) {
-  if (a.weight && col < a.D) {
-    load_f<float, VEC>(a.weight, col, a.D, a.aligned, w);
+  if (a.weight && col < a.D) {  // (vector loads of whole 16-byte words only: a 16-bit weight beside fp32 x by element)
+    load_any_f<VEC>(a.weight, a.wt, col, a.D, a.aligned && VEC * dtype_bytes(a.wt) % 16 == 0, w);
   } else {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) w[j] = 1.f;
@@ -266,23 +274,24 @@ __global__ void __launch_bounds__(kRopeThreads, 2) rope_backward_kernel(RopeArgs
     }
   }
   if (!dw) return;
-  // the block's partial: its thread-rows' rows added in order (with a single block, dweight itself)
+  // the block's partial: its thread-rows' rows added in order (with a single block, dweight itself, in
+  // the weight's dtype)
   __syncthreads();
-  float* dst = gridDim.x == 1 ? a.dweight : a.totals + static_cast<int64_t>(blockIdx.x) * D;
   for (int d = threadIdx.y * threads + tid; d < D; d += threads * blockDim.y) {
     float t = 0.f;
     for (int y = 0; y < static_cast<int>(blockDim.y); ++y) t += dw_all[y * D + d];
-    dst[d] = t;
+    if (gridDim.x == 1) store1(a.dweight, a.wt, d, t);
+    else a.totals[static_cast<int64_t>(blockIdx.x) * D + d] = t;
   }
 }
 
-// dweight[d] = the sum of the backward's partials[p, d] over p in a fixed order: thread (x, y) of a block
+// dweight[d] (of dtype wt, rounded once) = the sum of the backward's partials[p, d] over p in a fixed order: thread (x, y) of a block
 // of 32 columns sums p = y, y + kReduceLanes, ... and the kReduceLanes sums are added in y order. No
 // atomics: the same bits every run. (Several hundred partials, one a resident block, are more than
 // launch_reduce_totals' one thread a column reads quickly: 15 us at D = 1,536 on an H200.)
 constexpr int kReduceLanes = 32;
 __global__ void __launch_bounds__(32 * kReduceLanes) rope_dweight_kernel(const float* __restrict__ partials, int P,
-                                                                         int D, float* __restrict__ dweight) {
+                                                                         int D, void* dweight, DType wt) {
   __shared__ float sums[kReduceLanes][33];
   const int d = blockIdx.x * 32 + threadIdx.x;
   float s = 0.f;
@@ -296,7 +305,7 @@ __global__ void __launch_bounds__(32 * kReduceLanes) rope_dweight_kernel(const f
     float t = 0.f;
 #pragma unroll
     for (int k = 0; k < kReduceLanes; ++k) t += sums[k][threadIdx.x];
-    dweight[d] = t;
+    store1(dweight, wt, d, t);
   }
 }
 
@@ -391,7 +400,8 @@ void launch_rope_backward(const RopeArgs& a, cudaStream_t stream) {
     kernel<<<a.blocks, dim3(rs.threads, rs.rows), rope_backward_smem(a, rs), stream>>>(a);
   });
   if (a.dweight && a.partials > 1)
-    rope_dweight_kernel<<<(a.D + 31) / 32, dim3(32, kReduceLanes), 0, stream>>>(a.totals, a.partials, a.D, a.dweight);
+    rope_dweight_kernel<<<(a.D + 31) / 32, dim3(32, kReduceLanes), 0, stream>>>(a.totals, a.partials, a.D, a.dweight,
+                                                                             a.wt);
 }
 
 }  // namespace adaln

@@ -1,7 +1,7 @@
 // rms_norm_rope's CUDA bodies in torch terms (declared in norm_modulate_ops.h): the op's arguments,
 // already validated by its Python CUDA path (adaptiveload/ops/rms_norm_rope/op.py), as [B, N, D] rows
-// and strided fp32 rotation tables; outputs allocated; the kernels (rope_kernels.cu) launched on the
-// current stream.
+// and strided rotation tables, the tables and the weight read in their own dtype (fp32, bf16 or fp16: no
+// copy a call); outputs allocated; the kernels (rope_kernels.cu) launched on the current stream.
 #include <torch/extension.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -16,18 +16,19 @@ namespace {
 using at::Tensor;
 using c10::optional;
 
-// Table t (cos or sin, broadcast to [*x.shape[:-1], heads, Dh / 2]) in fp32 as the kernels read it for
-// x viewed as [B, N, D]: its own strides where its row dims collapse to [B, N] (every layout the models
-// make), else a copy of that shape, kept alive in `keep`.
+// Table t (cos or sin, broadcast to [*x.shape[:-1], heads, Dh / 2]) as the kernels read it for x viewed
+// as [B, N, D]: in its dtype, with its own strides where its row dims collapse to [B, N] (every layout
+// the models make), else a copy of that shape, kept alive in `keep`.
 RopeTable rope_table(const Tensor& t, const Tensor& x, int64_t B, int64_t N, int64_t heads, Tensor& keep) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(heads);
   shape.push_back(x.size(-1) / heads / 2);
-  keep = t.to(at::kFloat).expand(shape).reshape({B, N, heads, shape.back()});
+  keep = t.expand(shape).reshape({B, N, heads, shape.back()});
   const int64_t span = (heads - 1) * keep.stride(2) + (shape.back() - 1) * keep.stride(3);
   if (span > INT32_MAX) keep = keep.contiguous();  // (in-row offsets past 32 bits: a copy of one row each)
   RopeTable r;
-  r.p = keep.data_ptr<float>();
+  r.p = keep.data_ptr();
+  r.t = to_dtype(keep, "a rotation table");
   r.sb = keep.stride(0), r.sn = keep.stride(1);
   r.sh = static_cast<int>(keep.stride(2)), r.si = static_cast<int>(keep.stride(3));
   return r;
@@ -49,10 +50,10 @@ RopeArgs rope_args(const Tensor& x, const optional<Tensor>& weight, const Tensor
   RopeArgs a;
   a.B = B, a.N = kept.x3.size(1), a.D = static_cast<int>(D), a.Dh = static_cast<int>(D / heads);
   a.x = kept.x3.data_ptr(), a.xt = to_dtype(kept.x3, "x");
-  const optional<Tensor> w = affine_f32(weight);
-  if (w.has_value()) {
-    kept.w = *w;
-    a.weight = kept.w.data_ptr<float>();
+  if (weight.has_value()) {
+    kept.w = weight->contiguous();
+    a.weight = kept.w.data_ptr();
+    a.wt = to_dtype(kept.w, "weight");
   }
   a.cos = rope_table(cos, x, a.B, a.N, heads, kept.cos);
   a.sin = rope_table(sin, x, a.B, a.N, heads, kept.sin);
@@ -97,8 +98,8 @@ Tensors2 rms_norm_rope_backward(const Tensor& dy, const Tensor& x, const optiona
   a.dx = dx.data_ptr(), a.dxt = to_dtype(dx, "dx");
   a.aligned = a.aligned && aligned16(a.dy) && aligned16(a.dx) && (a.xt != DType::F32 || a.dyt == DType::F32);
   const auto f32 = x.options().dtype(at::kFloat);
-  const Tensor dweight = weight.has_value() && weight_grad ? at::empty({a.D}, f32) : Tensor();
-  if (dweight.defined()) a.dweight = dweight.data_ptr<float>();  // (before the plan: it sizes the shared memory)
+  const Tensor dweight = weight.has_value() && weight_grad ? at::empty({a.D}, weight->options()) : Tensor();
+  if (dweight.defined()) a.dweight = dweight.data_ptr();  // (before the plan: it sizes the shared memory)
   rope_backward_plan(a);
   Tensor totals;
   if (dweight.defined() && a.partials > 1) {
@@ -107,7 +108,7 @@ Tensors2 rms_norm_rope_backward(const Tensor& dy, const Tensor& x, const optiona
   }
   launch_rope_backward(a, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {dx, dweight.defined() ? affine_grad(dweight, weight) : or_empty(Tensor(), x)};
+  return {dx, dweight.defined() ? dweight : or_empty(Tensor(), x)};
 }
 
 }  // namespace adaln

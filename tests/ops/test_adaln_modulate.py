@@ -7,6 +7,7 @@ compile backend."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -638,6 +639,43 @@ def test_forward_ring_gives_the_register_forward_bit_for_bit(kernels, stages):
     check_against_float64((2, 4099, 5120), torch.bfloat16, "strided-per-sample", "per-sample", True, "cuda", 5,
                           mod_fp32=True)
     check_against_float64((2, 777, 3072), torch.bfloat16, "per-token", "per-token", True, "cuda", 7, mod_fp32=True)
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("D, threads, chunks", [(1536, 96, 2), (2048, 128, 2), (3072, 192, 2), (4096, 256, 2),
+                                                (5120, 160, 4)])
+@pytest.mark.parametrize("segmented", [False, True])
+def test_forward_ring_automatic_shape(kernels, D, threads, chunks, segmented):
+    """The forward ring kernel's own block shape (fwd_ring_shape: two chunks a thread on up to 256 threads
+    where that covers the row; bf16, per-sample or segmented rows): the chunk count of the kernel the
+    profiler records, y and the statistics bit for bit as the same shape forced through max_threads, and
+    against float64."""
+    gen = torch.Generator(device="cuda").manual_seed(D)
+    x = torch.randn(1, 1000, D, device="cuda", generator=gen).to(torch.bfloat16)
+    s, h = (0.2 * torch.randn(3, 2 * D, device="cuda", generator=gen)).chunk(2, -1)
+    ids = torch.repeat_interleave(torch.arange(3, device="cuda"), torch.tensor([400, 100, 500], device="cuda"))
+    if segmented:
+        def forward():
+            return torch.ops.adaptiveload.adaln_modulate_segmented(x, None, None, s, h, ids, EPS, torch.bfloat16)
+    else:
+        def forward():
+            return torch.ops.adaptiveload.adaln_modulate(x, None, None, s[:1, None], h[:1, None], EPS, torch.bfloat16)
+    names = [n for n in _adaln_kernels_launched(forward) if "fwd_kernel" in n]
+    assert len(names) == 1, names
+    shape = re.search(r"fwd_kernel<[^,]+, [^,]+, [^,]+, [^,]+, (\d+), false, true", names[0])
+    assert shape and shape.group(1) == str(chunks), names[0]
+    auto = forward()
+    with _tuning.override(max_threads=threads):
+        forced = forward()
+    for name, a, b in zip(("y", "mean", "rstd"), auto, forced):
+        assert torch.equal(a, b), f"{name}: the automatic shape differs from max_threads={threads}"
+    ref = F.layer_norm(x.double(), (D,), eps=EPS)
+    if segmented:
+        ref = ref * (1 + s.double()[ids]) + h.double()[ids]
+    else:
+        ref = ref * (1 + s.double()[:1]) + h.double()[:1]
+    assert_rel(auto[0], ref, TOL[torch.bfloat16], "y")
 
 
 @pytest.mark.cuda

@@ -657,7 +657,7 @@ def test_kernels_per_token_rows_of_r_dtype_through_the_forward_ring(kernels, nor
 ])
 def test_kernels_per_token_gate_of_r_dtype_through_the_backward_ring(kernels, norm, dtype, gate_layout, x_shape, cap):
     """A per-token gate in r's dtype comes through the backward's staging ring with r, dout, dr and y
-    (res_bwd_stages_gate; its own kernel instances): dx, dy and the per-element dgate bit for bit at 2,
+    (res_bwd_extra_rows; its own kernel instances): dx, dy and the per-element dgate bit for bit at 2,
     3 and 8 slots and the kernels' own choice, as loading every row at use (stages 0) where that runs the
     same kernel shape (not the wide kernel, whose unstaged fallback is the two-chunk one: there against
     2 slots), the column sums within rounding; and every gradient against float64."""
@@ -682,6 +682,46 @@ def test_kernels_per_token_gate_of_r_dtype_through_the_backward_ring(kernels, no
     with _tuning.override(max_threads=cap):
         check_against_float64(norm, x_shape, dtype, gate_layout, "scale+shift", "strided-per-sample", "per-sample", True,
                               seed=7, device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm", sorted(OPS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gate_layout, modulation, x_shape, cap, instance", [
+    ("per-token", "scale+shift", (2, 300, 1536), "auto", 1),  # bench_residual's per-token-all: one chunk
+    ("strided-per-token", "scale+shift", (1, 77, 3072), 192, 1),  # .chunk() views, two chunks a thread
+    (None, "scale+shift", (1, 40, 5120), "auto", 1),  # a per-token scale without a gate: two chunks
+    ("per-token", "scale", (2, 60, 2048), "auto", 1),
+    ("per-token", "none", (2, 60, 2048), "auto", 1),  # a per-token gate into a plain norm
+    (None, "none", (2, 100, 1536), "auto", 2),  # a plain residual into a plain norm: the None instance
+])
+def test_kernels_backward_without_column_sums_through_the_ring(kernels, norm, dtype, gate_layout, modulation, x_shape,
+                                                               cap, instance):
+    """A backward with no column sum to form (a norm without weight or bias, every modulation per token
+    or absent: Wan 2.2's per-token timesteps) stages its rows, and the per-token gate and scale rows of
+    r's dtype, through the ring (res_bwd_stageable; the Staged or None instance the profiler records):
+    every gradient bit for bit at 2, 3 and 8 slots and the kernels' own choice as loading every row at use
+    (stages 0), and against float64."""
+    v = make_inputs(norm, x_shape, dtype, gate_layout, modulation, "per-token", "per-token", False, seed=17,
+                    device="cuda")
+    gen = torch.Generator().manual_seed(18)
+    dout, dr = (torch.randn(x_shape, generator=gen).to(dtype).cuda() for _ in range(2))
+    r, out, *stats = call(norm, v, dtype, dtype)
+    args = _backward_args(norm, v, dout, dr, r, stats)
+    with _tuning.override(max_threads=cap):
+        names = _kernel_launches(lambda: BACKWARDS[norm](*args), "res_bwd_row_kernel")
+    assert len(names) == 1 and re.search(rf"true, false, \((adaln::)?ResBwdGate\){instance}>", names[0]), names
+    with _tuning.override(bwd_stages=0, max_threads=cap):
+        base = BACKWARDS[norm](*args)
+    for stages in (2, 3, 8, "auto"):
+        with _tuning.override(bwd_stages=stages, max_threads=cap):
+            got = BACKWARDS[norm](*args)
+        for i, (a, b) in enumerate(zip(base, got)):
+            if a is not None and a.numel():
+                assert torch.equal(a, b), f"stages {stages}: backward output {i} differs from loads at use"
+    with _tuning.override(max_threads=cap):
+        check_against_float64(norm, x_shape, dtype, gate_layout, modulation, "per-token", "per-token", False, seed=17,
+                              device="cuda")
 
 
 def _kernel_launches(fn, name):
