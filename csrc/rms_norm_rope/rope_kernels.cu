@@ -63,20 +63,20 @@ struct AngleStart {
   }
 };
 
+// Element i of a table row (row: the table's element (b, n, 0, 0)) as fp32, through the read-only path.
+// (One 16-bit load for both 16-bit dtypes, then the conversion: fewer registers than a load a dtype.)
+__device__ __forceinline__ float table_at(DType t, const void* row, int i) {
+  if (t == DType::F32) return __ldg(static_cast<const float*>(row) + i);
+  const unsigned short u = __ldg(static_cast<const unsigned short*>(row) + i);
+  return t == DType::BF16 ? __bfloat162float(__ushort_as_bfloat16(u)) : __half2float(__ushort_as_half(u));
+}
+
 // The cos and sin of the pairs of a thread's groups in one row: kSets sets of VEC / 2 pairs, set k
 // for the group at column (k * threads + tid) * VEC. With kShared, one set serves every group: the
 // tables are broadcast over the heads (sh = 0) and the groups of a thread lie whole heads apart
 // (threads * VEC a multiple of Dh, D a multiple of VEC), so each group has the same pair indices.
 // Read through the read-only path (__ldg), which lets the compiler issue them early: before the row's
 // reduction and ahead of earlier groups' stores.
-// Element i of a table row (row: the table's element (b, n, 0, 0)) as fp32, through the read-only path.
-// (One 16-bit load for both 16-bit dtypes, then the conversion: fewer registers than a load a dtype.)
-__device__ __forceinline__ float table_at(DType t, const void* row, int i) {
-  if (t == DType::F32) return __ldg(static_cast<const float*>(row) + i);
-  const unsigned short u = __ldg(static_cast<const unsigned short*>(row) + i);
-  return t == DType::BF16 ? __uint_as_float(static_cast<unsigned>(u) << 16) : __half2float(__ushort_as_half(u));
-}
-
 template <int VEC, int kSets>
 struct RowAngles {
   float c[kSets][VEC / 2], s[kSets][VEC / 2];
